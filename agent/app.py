@@ -1,0 +1,565 @@
+"""The launcher agent: one per node, the source of truth for what runs there.
+
+It registers with the control plane and heartbeats its state; it creates, leases,
+pauses, thaws and removes sandboxes when the control plane asks; it runs commands
+for clients holding a lease token; it refuses what it has no room for. On start it
+adopts the containers labelled with its node id and removes those it cannot account
+for.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+from collections import OrderedDict
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel, Field
+
+from agent.docker_driver import (
+    LABEL_LEASE,
+    LABEL_NODE,
+    LABEL_POOL,
+    LABEL_SANDBOX,
+    LABEL_TEMPLATE,
+    AsyncDocker,
+    DockerOpError,
+)
+from agent.metrics import AgentMetrics
+from agent.store import SandboxRecord, SandboxStore
+from dsec.clock import Clock
+from dsec.httpkit import (
+    Api,
+    ApiError,
+    bearer_token,
+    model_response,
+    new_app,
+    read_model,
+    require_token,
+    sandbox_id_param,
+    token_matches,
+)
+from dsec.models import (
+    Capacity,
+    CreateSandbox,
+    ExecRequest,
+    ExecResult,
+    LeaseGrant,
+    Name,
+    NodeKind,
+    NodeReport,
+    Released,
+    SandboxReport,
+    TemplateSpec,
+    Usage,
+    node_of,
+)
+from dsec.states import SandboxState, transition
+from dsec.tokens import lease_token
+
+log = logging.getLogger(__name__)
+TOMBSTONES = 100_000  # released ids remembered, so late calls get "released", not "unknown"
+
+
+class AgentConfig(BaseModel):
+    node_id: Name
+    kind: NodeKind = "local"
+    host: str = "127.0.0.2"
+    port: int = Field(0, ge=0, le=65535)
+    capacity: Capacity = Capacity(cpus=64, memory_mb=65536, slots=128)
+    controlplane_url: str | None = None
+    agent_token: str = Field(min_length=16, repr=False)
+    state_dir: Path
+    heartbeat_s: float = Field(1.0, gt=0, le=60)
+    images_refresh_s: float = Field(10.0, gt=0)
+    cleanup_on_exit: bool = False
+
+
+@dataclass
+class Sandbox:
+    record: SandboxRecord
+    spec: TemplateSpec
+    state: SandboxState
+    last_active: float
+    busy_s: float = 0.0
+    running_execs: int = 0
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    def move(self, target: SandboxState) -> None:
+        self.state = transition(self.state, target)
+
+    def report(self, now: float) -> SandboxReport:
+        r = self.record
+        return SandboxReport(
+            id=r.id,
+            pool=r.pool,
+            template=self.spec.name,
+            state=self.state,
+            created_at=r.created_at,
+            lease_id=r.lease_id,
+            idempotency_key=r.idempotency_key,
+            labels=r.labels,
+            cpus=self.spec.cpus,
+            memory_mb=self.spec.memory_mb,
+            busy_s=self.busy_s,
+            idle_s=0.0 if self.running_execs else max(0.0, now - self.last_active),
+        )
+
+
+class Agent:
+    def __init__(
+        self, config: AgentConfig, docker: AsyncDocker, clock: Clock, metrics: AgentMetrics
+    ) -> None:
+        self.config = config
+        self.docker = docker
+        self.clock = clock
+        self.metrics = metrics
+        self.store = SandboxStore(config.state_dir / f"{config.node_id}.sqlite")
+        self.sandboxes: dict[str, Sandbox] = {}
+        self.released: OrderedDict[str, None] = OrderedDict()
+        self.images: list[str] = []
+        self.url = ""  # set by listening_at() once the port is known
+        self.listening = asyncio.Event()
+        self.incarnation = secrets.token_hex(8)
+
+    def listening_at(self, url: str) -> None:
+        self.url = url
+        self.listening.set()
+
+    # --- capacity -----------------------------------------------------------
+
+    def usage(self) -> Usage:
+        live = list(self.sandboxes.values())
+        return Usage(
+            cpus=round(sum(s.spec.cpus for s in live), 6),
+            memory_mb=sum(s.spec.memory_mb for s in live),
+            slots=len(live),
+        )
+
+    def has_room_for(self, spec: TemplateSpec) -> bool:
+        used, cap = self.usage(), self.config.capacity
+        return (
+            used.slots + 1 <= cap.slots
+            and used.cpus + spec.cpus <= cap.cpus + 1e-9
+            and used.memory_mb + spec.memory_mb <= cap.memory_mb
+        )
+
+    def report(self) -> NodeReport:
+        now = self.clock.now()
+        return NodeReport(
+            node_id=self.config.node_id,
+            kind=self.config.kind,
+            url=self.url,
+            capacity=self.config.capacity,
+            usage=self.usage(),
+            images=self.images,
+            sandboxes=[s.report(now) for s in self.sandboxes.values()],
+            incarnation=self.incarnation,
+        )
+
+    # --- lifecycle ------------------------------------------------------------
+
+    def labels_for(self, sandbox_id: str, pool: str, template: str) -> dict[str, str]:
+        return {
+            LABEL_NODE: self.config.node_id,
+            LABEL_POOL: pool,
+            LABEL_TEMPLATE: template,
+            LABEL_SANDBOX: sandbox_id,
+            # created warm, before any lease exists; the lease lives in the store
+            LABEL_LEASE: "",
+        }
+
+    async def create(self, req: CreateSandbox) -> tuple[Sandbox, bool]:
+        """Create a sandbox; idempotent on its id. Returns (sandbox, created_now)."""
+        if node_of(req.sandbox_id) != self.config.node_id:
+            raise ApiError(422, "wrong_node", f"{req.sandbox_id} does not belong to this node")
+        if req.sandbox_id in self.released:
+            raise ApiError(409, "released", f"sandbox {req.sandbox_id} was already removed")
+        existing = self.sandboxes.get(req.sandbox_id)
+        if existing is not None:
+            return existing, False
+        if not self.has_room_for(req.template):
+            raise ApiError(
+                409,
+                "no_capacity",
+                f"node {self.config.node_id} has no room for template {req.template.name}",
+            )
+        record = SandboxRecord(
+            id=req.sandbox_id,
+            container_id="",
+            pool=req.pool,
+            template=req.template.model_dump(),
+            created_at=self.clock.wall(),
+        )
+        sandbox = Sandbox(record, req.template, SandboxState.CREATING, self.clock.now())
+        self.sandboxes[req.sandbox_id] = sandbox  # holds the slot while Docker works
+        try:
+            record.container_id = await self.docker.create(
+                f"dsec-{req.sandbox_id}",
+                req.template,
+                self.labels_for(req.sandbox_id, req.pool, req.template.name),
+            )
+            await self.store.put(record)
+        except DockerOpError as e:
+            self.sandboxes.pop(req.sandbox_id, None)
+            self.metrics.docker_error(e.op, e.kind)
+            if record.container_id:
+                with contextlib.suppress(DockerOpError):
+                    await self.docker.remove(record.container_id)
+            raise ApiError(502, f"docker_{e.kind}", str(e)) from e
+        sandbox.move(SandboxState.WARM)
+        sandbox.last_active = self.clock.now()
+        return sandbox, True
+
+    def get(self, sandbox_id: str) -> Sandbox:
+        sandbox = self.sandboxes.get(sandbox_id)
+        if sandbox is None:
+            if sandbox_id in self.released:
+                raise ApiError(410, "released", f"sandbox {sandbox_id} was released")
+            raise ApiError(404, "unknown_sandbox", f"no sandbox {sandbox_id} on this node")
+        if sandbox.state == SandboxState.CREATING:
+            raise ApiError(409, "not_ready", f"sandbox {sandbox_id} is still being created")
+        return sandbox
+
+    async def lease(self, sandbox_id: str, grant: LeaseGrant) -> Sandbox:
+        sandbox = self.get(sandbox_id)
+        async with sandbox.lock:
+            if sandbox.record.lease_id == grant.lease_id:
+                return sandbox  # a retry of the same grant
+            if sandbox.record.lease_id is not None:
+                raise ApiError(409, "already_leased", f"sandbox {sandbox_id} is leased already")
+            if sandbox.state == SandboxState.PAUSED:
+                await self._docker_or_502(self.docker.unpause(sandbox.record.container_id))
+            sandbox.record.lease_id = grant.lease_id
+            sandbox.record.idempotency_key = grant.idempotency_key
+            sandbox.record.labels = dict(grant.labels)
+            await self.store.put(sandbox.record)
+            sandbox.move(SandboxState.LEASED)
+            sandbox.last_active = self.clock.now()
+            return sandbox
+
+    async def pause(self, sandbox_id: str) -> Sandbox:
+        sandbox = self.get(sandbox_id)
+        async with sandbox.lock:
+            target = {
+                SandboxState.WARM: SandboxState.PAUSED,
+                SandboxState.LEASED: SandboxState.LEASED_PAUSED,
+            }.get(sandbox.state)
+            if target is None:
+                return sandbox  # already frozen: pausing is idempotent
+            if sandbox.running_execs:
+                raise ApiError(409, "busy", f"sandbox {sandbox_id} is running a command")
+            await self._docker_or_502(self.docker.pause(sandbox.record.container_id))
+            sandbox.move(target)
+            return sandbox
+
+    async def unpause(self, sandbox_id: str) -> Sandbox:
+        sandbox = self.get(sandbox_id)
+        async with sandbox.lock:
+            await self._thaw_locked(sandbox)
+            return sandbox
+
+    async def _thaw_locked(self, sandbox: Sandbox) -> None:
+        target = {
+            SandboxState.PAUSED: SandboxState.WARM,
+            SandboxState.LEASED_PAUSED: SandboxState.LEASED,
+        }.get(sandbox.state)
+        if target is None:
+            return
+        await self._docker_or_502(self.docker.unpause(sandbox.record.container_id))
+        sandbox.move(target)
+        sandbox.last_active = self.clock.now()
+
+    async def destroy(self, sandbox_id: str) -> None:
+        """Remove a sandbox; idempotent (a second call finds it released)."""
+        if sandbox_id in self.released:
+            return
+        sandbox = self.get(sandbox_id)
+        async with sandbox.lock:
+            if sandbox_id not in self.sandboxes:
+                return  # removed while we waited for the lock
+            sandbox.move(SandboxState.DESTROYING)
+            await self._docker_or_502(self.docker.remove(sandbox.record.container_id))
+            await self.store.delete(sandbox_id)
+            self.sandboxes.pop(sandbox_id, None)
+            self._remember_released(sandbox_id)
+
+    def _remember_released(self, sandbox_id: str) -> None:
+        self.released[sandbox_id] = None
+        while len(self.released) > TOMBSTONES:
+            self.released.popitem(last=False)
+
+    async def _docker_or_502(self, op) -> None:
+        try:
+            await op
+        except DockerOpError as e:
+            self.metrics.docker_error(e.op, e.kind)
+            raise ApiError(502, f"docker_{e.kind}", str(e)) from e
+
+    async def exec(self, sandbox_id: str, token: str | None, req: ExecRequest) -> ExecResult:
+        sandbox = self.get(sandbox_id)
+        lease_id = sandbox.record.lease_id
+        if lease_id is None:
+            raise ApiError(409, "not_leased", f"sandbox {sandbox_id} is not leased")
+        expected = lease_token(self.config.agent_token, sandbox_id, lease_id)
+        if token is None:
+            raise ApiError(401, "unauthenticated", "missing Authorization: Bearer <lease token>")
+        if not token_matches(token, [expected]):
+            raise ApiError(403, "forbidden", f"this token does not hold the lease on {sandbox_id}")
+        started = self.clock.now()
+        async with sandbox.lock:  # a frozen lease is thawed before the command runs
+            await self._thaw_locked(sandbox)
+            sandbox.running_execs += 1
+        try:
+            out = await self.docker.exec(
+                sandbox.record.container_id,
+                req.cmd,
+                req.env,
+                req.workdir,
+                req.timeout_s,
+                req.max_output_bytes,
+            )
+        except DockerOpError as e:
+            self.metrics.docker_error(e.op, e.kind)
+            if sandbox_id not in self.sandboxes:
+                raise ApiError(410, "released", f"sandbox {sandbox_id} was released") from e
+            raise ApiError(502, f"docker_{e.kind}", str(e)) from e
+        finally:
+            sandbox.running_execs -= 1
+            ended = self.clock.now()
+            sandbox.busy_s += ended - started
+            sandbox.last_active = ended
+            self.metrics.exec_seconds.labels(self.config.node_id).observe(ended - started)
+        return ExecResult(
+            exit_code=out.exit_code,
+            stdout=out.stdout.decode("utf-8", "replace"),
+            stderr=out.stderr.decode("utf-8", "replace"),
+            timed_out=out.timed_out,
+            truncated=out.truncated,
+            duration_ms=(self.clock.now() - started) * 1000,
+        )
+
+    # --- start-up and background work -----------------------------------------
+
+    async def adopt(self) -> None:
+        """Take back this node's containers after a restart; remove what is unaccounted for."""
+        records = {r.id: r for r in await self.store.all()}
+        containers = await self.docker.list_labelled(self.config.node_id)
+        for c in containers:
+            sandbox_id = c.labels.get(LABEL_SANDBOX, "")
+            record = records.pop(sandbox_id, None)
+            if record is None or c.status not in ("running", "paused"):
+                # no record, or its processes died with the engine: nothing to hand back
+                log.info("removing unaccounted container %s (%s)", c.container_id[:12], c.status)
+                await self.docker.remove(c.container_id)
+                if record is not None:
+                    await self.store.delete(record.id)
+                continue
+            state = SandboxState.LEASED if record.lease_id else SandboxState.WARM
+            if c.status == "paused":
+                state = SandboxState.LEASED_PAUSED if record.lease_id else SandboxState.PAUSED
+            spec = TemplateSpec.model_validate(record.template)
+            self.sandboxes[record.id] = Sandbox(record, spec, state, self.clock.now())
+            log.info("adopted %s as %s", record.id, state)
+        for stale in records.values():  # recorded, but its container is gone
+            await self.store.delete(stale.id)
+
+    async def heartbeat_forever(self) -> None:
+        assert self.config.controlplane_url
+        url = f"{self.config.controlplane_url}/v1/agents/{self.config.node_id}"
+        headers = {"Authorization": f"Bearer {self.config.agent_token}"}
+        next_images = 0.0
+        await self.listening.wait()  # the report must carry the address clients will use
+        async with aiohttp.ClientSession(
+            headers=headers, timeout=aiohttp.ClientTimeout(total=5)
+        ) as http:
+            while True:
+                if self.clock.now() >= next_images:
+                    with contextlib.suppress(DockerOpError):
+                        self.images = await self.docker.image_tags()
+                    next_images = self.clock.now() + self.config.images_refresh_s
+                self.metrics.sandboxes.labels(self.config.node_id).set(len(self.sandboxes))
+                try:
+                    body = self.report().model_dump_json()
+                    async with http.put(
+                        url, data=body, headers={"Content-Type": "application/json"}
+                    ) as resp:
+                        if resp.status >= 300:
+                            self.metrics.heartbeat_failures.labels(self.config.node_id).inc()
+                            log.warning("heartbeat refused: %s %s", resp.status, await resp.text())
+                except (aiohttp.ClientError, TimeoutError) as e:
+                    self.metrics.heartbeat_failures.labels(self.config.node_id).inc()
+                    log.warning("heartbeat to %s failed: %s", url, e)
+                await self.clock.sleep(self.config.heartbeat_s)
+
+    async def remove_all(self) -> None:
+        for sandbox_id in list(self.sandboxes):
+            with contextlib.suppress(ApiError):
+                await self.destroy(sandbox_id)
+
+
+AGENT = web.AppKey("agent", Agent)
+
+
+def _agent(request: web.Request) -> Agent:
+    return request.app[AGENT]
+
+
+def _control_plane_only(request: web.Request) -> Agent:
+    agent = _agent(request)
+    require_token(request, [agent.config.agent_token])
+    return agent
+
+
+async def create_sandbox(request: web.Request) -> web.Response:
+    agent = _control_plane_only(request)
+    req = await read_model(request, CreateSandbox)
+    sandbox, created = await agent.create(req)
+    return model_response(sandbox.report(agent.clock.now()), 201 if created else 200)
+
+
+async def lease_sandbox(request: web.Request) -> web.Response:
+    agent = _control_plane_only(request)
+    sandbox_id = sandbox_id_param(request)
+    grant = await read_model(request, LeaseGrant)
+    sandbox = await agent.lease(sandbox_id, grant)
+    return model_response(sandbox.report(agent.clock.now()))
+
+
+async def pause_sandbox(request: web.Request) -> web.Response:
+    agent = _control_plane_only(request)
+    sandbox = await agent.pause(sandbox_id_param(request))
+    return model_response(sandbox.report(agent.clock.now()))
+
+
+async def unpause_sandbox(request: web.Request) -> web.Response:
+    agent = _control_plane_only(request)
+    sandbox = await agent.unpause(sandbox_id_param(request))
+    return model_response(sandbox.report(agent.clock.now()))
+
+
+async def destroy_sandbox(request: web.Request) -> web.Response:
+    agent = _control_plane_only(request)
+    sandbox_id = sandbox_id_param(request)
+    await agent.destroy(sandbox_id)
+    return model_response(Released(id=sandbox_id, state=SandboxState.GONE))
+
+
+async def get_sandbox(request: web.Request) -> web.Response:
+    agent = _control_plane_only(request)
+    return model_response(agent.get(sandbox_id_param(request)).report(agent.clock.now()))
+
+
+async def get_node(request: web.Request) -> web.Response:
+    agent = _control_plane_only(request)
+    return model_response(agent.report())
+
+
+async def exec_in_sandbox(request: web.Request) -> web.Response:
+    agent = _agent(request)
+    sandbox_id = sandbox_id_param(request)
+    req = await read_model(request, ExecRequest)
+    result = await agent.exec(sandbox_id, bearer_token(request), req)
+    return model_response(result)
+
+
+async def healthz(request: web.Request) -> web.Response:
+    agent = _agent(request)
+    return web.json_response(
+        {"status": "ok", "node": agent.config.node_id, "sandboxes": len(agent.sandboxes)}
+    )
+
+
+async def metrics(request: web.Request) -> web.Response:
+    body = generate_latest(_agent(request).metrics.registry)
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+def agent_api() -> Api:
+    api = Api("dsec agent")
+    api.route(
+        "POST",
+        "/v1/sandboxes",
+        create_sandbox,
+        body=CreateSandbox,
+        answer=SandboxReport,
+        summary="create and start a sandbox (control plane only); idempotent on its id",
+    )
+    api.route(
+        "GET",
+        "/v1/sandboxes/{sandbox_id}",
+        get_sandbox,
+        answer=SandboxReport,
+        summary="one sandbox (control plane only)",
+    )
+    api.route(
+        "DELETE",
+        "/v1/sandboxes/{sandbox_id}",
+        destroy_sandbox,
+        answer=Released,
+        summary="remove a sandbox (control plane only); idempotent",
+    )
+    api.route(
+        "POST",
+        "/v1/sandboxes/{sandbox_id}/lease",
+        lease_sandbox,
+        body=LeaseGrant,
+        answer=SandboxReport,
+        summary="hand a sandbox to a lease (control plane only)",
+    )
+    api.route(
+        "POST",
+        "/v1/sandboxes/{sandbox_id}/pause",
+        pause_sandbox,
+        answer=SandboxReport,
+        summary="freeze a sandbox (control plane only)",
+    )
+    api.route(
+        "POST",
+        "/v1/sandboxes/{sandbox_id}/unpause",
+        unpause_sandbox,
+        answer=SandboxReport,
+        summary="thaw a sandbox (control plane only)",
+    )
+    api.route(
+        "POST",
+        "/v1/sandboxes/{sandbox_id}/exec",
+        exec_in_sandbox,
+        body=ExecRequest,
+        answer=ExecResult,
+        summary="run a command (lease token)",
+    )
+    api.route("GET", "/v1/node", get_node, answer=NodeReport, summary="this node's report")
+    api.route("GET", "/healthz", healthz, summary="liveness")
+    api.route("GET", "/metrics", metrics, summary="Prometheus metrics")
+    return api
+
+
+def create_agent_app(agent: Agent) -> web.Application:
+    app = new_app(agent_api())
+    app[AGENT] = agent
+
+    async def lifecycle(app: web.Application) -> AsyncIterator[None]:
+        await agent.adopt()
+        heartbeat = None
+        if agent.config.controlplane_url:
+            heartbeat = asyncio.create_task(agent.heartbeat_forever(), name="heartbeat")
+        yield
+        if heartbeat is not None:
+            heartbeat.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await heartbeat
+        if agent.config.cleanup_on_exit:
+            await agent.remove_all()
+        await agent.store.close()
+        agent.docker.close()
+
+    app.cleanup_ctx.append(lifecycle)
+    return app

@@ -1,0 +1,322 @@
+"""Docker, driven through the `docker` SDK, always off the event loop.
+
+`DockerDriver` holds the blocking calls. `AsyncDocker` runs them on two bounded
+thread pools, one for lifecycle operations and one for exec streams, so a flood of
+long-running commands can never starve creates, pauses and removes. Every call is
+timed into `dsec_agent_docker_op_seconds`; a Docker failure is raised as
+`DockerOpError` carrying the operation and a short kind, for the caller to turn into
+an answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import docker
+import requests
+from docker.errors import APIError, DockerException, ImageNotFound, NotFound
+from docker.utils.socket import frames_iter
+
+from dsec.clock import Clock
+from dsec.models import TemplateSpec
+
+T = TypeVar("T")
+STDOUT, STDERR = 1, 2
+TIMEOUT_EXIT_CODE = 124  # what coreutils' timeout(1) returns, so scripts read it the same way
+
+LABEL_NODE = "dsec.node"
+LABEL_POOL = "dsec.pool"
+LABEL_TEMPLATE = "dsec.template"
+LABEL_SANDBOX = "dsec.sandbox"
+LABEL_LEASE = "dsec.lease"
+
+
+class DockerOpError(Exception):
+    def __init__(self, op: str, kind: str, message: str) -> None:
+        super().__init__(f"docker {op} failed ({kind}): {message}")
+        self.op, self.kind, self.message = op, kind, message
+
+
+def _error_kind(e: Exception) -> str:
+    if isinstance(e, ImageNotFound):
+        return "image_not_found"
+    if isinstance(e, NotFound):
+        return "not_found"
+    if isinstance(e, APIError) and e.response is not None and e.response.status_code == 409:
+        return "conflict"
+    text = str(e).lower()
+    if "no space left" in text:
+        return "disk_full"
+    if isinstance(e, requests.exceptions.ConnectionError | ConnectionError):
+        return "engine_unreachable"
+    return "api_error"
+
+
+@dataclass
+class ContainerSummary:
+    container_id: str
+    status: str  # docker's: created, running, paused, exited, ...
+    labels: dict[str, str]
+
+
+@dataclass
+class ExecOutput:
+    exit_code: int
+    stdout: bytes
+    stderr: bytes
+    truncated: bool
+    timed_out: bool
+
+
+class DockerDriver:
+    """Blocking Docker calls. Call them through AsyncDocker, never on the loop."""
+
+    def __init__(self, client: docker.DockerClient) -> None:
+        self.client = client
+        self.api = client.api
+
+    def create(self, name: str, spec: TemplateSpec, labels: dict[str, str]) -> str:
+        """Create and start a sandbox container, hardened as its template says."""
+        tmpfs = {
+            spec.workdir: f"rw,size={spec.workdir_mb}m,mode=0755,uid=1000,gid=1000",
+            "/tmp": "rw,size=64m,mode=1777",
+        }
+        container = self.client.containers.create(
+            spec.image,
+            command=spec.command,
+            name=name,
+            labels=labels,
+            detach=True,
+            network_mode="none",
+            user=spec.user,
+            working_dir=spec.workdir,
+            read_only=spec.read_only_root,
+            tmpfs=tmpfs,
+            nano_cpus=int(spec.cpus * 1e9),
+            mem_limit=spec.memory_mb * 1024 * 1024,
+            memswap_limit=spec.memory_mb * 1024 * 1024,
+            pids_limit=spec.pids_limit,
+            ulimits=[
+                docker.types.Ulimit(name="nofile", soft=spec.nofile_limit, hard=spec.nofile_limit)
+            ],
+            cap_drop=["ALL"],
+            security_opt=["no-new-privileges"],
+            init=True,
+        )
+        try:
+            container.start()
+        except DockerException:
+            with contextlib.suppress(DockerException):
+                container.remove(force=True)
+            raise
+        return container.id
+
+    def pause(self, container_id: str) -> None:
+        self.api.pause(container_id)
+
+    def unpause(self, container_id: str) -> None:
+        self.api.unpause(container_id)
+
+    def remove(self, container_id: str) -> None:
+        try:
+            self.api.remove_container(container_id, force=True, v=True)
+        except NotFound:
+            pass  # already gone: removing is idempotent
+
+    def list_labelled(self, node_id: str) -> list[ContainerSummary]:
+        rows = self.api.containers(all=True, filters={"label": f"{LABEL_NODE}={node_id}"})
+        return [ContainerSummary(r["Id"], r["State"], r.get("Labels") or {}) for r in rows]
+
+    def image_tags(self) -> list[str]:
+        return sorted({t for img in self.api.images() for t in (img.get("RepoTags") or [])})
+
+    def exec_create(
+        self, container_id: str, cmd: list[str], env: dict[str, str], workdir: str | None
+    ) -> str:
+        res = self.api.exec_create(
+            container_id, cmd, stdout=True, stderr=True, environment=env or None, workdir=workdir
+        )
+        return res["Id"]
+
+    def exec_stream(
+        self, exec_id: str, cap: int, on_socket: Callable[[socket.socket], None]
+    ) -> tuple[bytes, bytes, bool]:
+        """Run a created exec and read its output, keeping at most `cap` bytes a stream.
+
+        `on_socket` gets the connection so the caller can shut it down on a timeout;
+        output past the cap is read and dropped, so the command is not blocked on a
+        full pipe.
+        """
+        sock = self.api.exec_start(exec_id, socket=True)
+        raw = getattr(sock, "_sock", sock)
+        raw.settimeout(None)  # the SDK's 60 s read timeout would cut long quiet commands
+        on_socket(raw)
+        out, err = bytearray(), bytearray()
+        truncated = False
+        try:
+            for stream, chunk in frames_iter(sock, tty=False):
+                buf = out if stream == STDOUT else err
+                room = cap - len(buf)
+                if room > 0:
+                    buf += chunk[:room]
+                if len(chunk) > room:
+                    truncated = True
+        except OSError:
+            pass  # shut down by the caller after a timeout
+        finally:
+            with contextlib.suppress(OSError):
+                sock.close()
+        return bytes(out), bytes(err), truncated
+
+    def exec_exit_code(self, exec_id: str) -> int | None:
+        return self.api.exec_inspect(exec_id).get("ExitCode")
+
+    def exec_kill(self, exec_id: str) -> None:
+        """Kill a timed-out command and everything it started.
+
+        The agent runs beside the engine, so the exec's host pid is ours to signal.
+        """
+        pid = self.api.exec_inspect(exec_id).get("Pid") or 0
+        if pid > 0:
+            for p in [pid, *_descendants(pid)]:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(p, signal.SIGKILL)
+
+
+def _descendants(pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+class AsyncDocker:
+    """The driver's calls as coroutines, on bounded pools, timed per operation."""
+
+    def __init__(
+        self,
+        driver: DockerDriver,
+        clock: Clock,
+        observe: Callable[[str, float], None],
+        lifecycle_threads: int = 8,
+        exec_threads: int = 32,
+    ) -> None:
+        self.driver = driver
+        self.clock = clock
+        self.observe = observe
+        self.lifecycle_pool = ThreadPoolExecutor(lifecycle_threads, "docker-op")
+        self.exec_pool = ThreadPoolExecutor(exec_threads, "docker-exec")
+
+    async def call(self, op: str, fn: Callable[..., T], *args: Any, pool=None) -> T:
+        loop = asyncio.get_running_loop()
+        started = self.clock.now()
+        try:
+            return await loop.run_in_executor(pool or self.lifecycle_pool, fn, *args)
+        except DockerException as e:
+            raise DockerOpError(op, _error_kind(e), str(e)) from e
+        except (requests.exceptions.RequestException, OSError) as e:
+            raise DockerOpError(op, "engine_unreachable", str(e)) from e
+        finally:
+            self.observe(op, self.clock.now() - started)
+
+    async def create(self, name: str, spec: TemplateSpec, labels: dict[str, str]) -> str:
+        return await self.call("create", self.driver.create, name, spec, labels)
+
+    async def pause(self, container_id: str) -> None:
+        await self.call("pause", self.driver.pause, container_id)
+
+    async def unpause(self, container_id: str) -> None:
+        await self.call("unpause", self.driver.unpause, container_id)
+
+    async def remove(self, container_id: str) -> None:
+        await self.call("remove", self.driver.remove, container_id)
+
+    async def list_labelled(self, node_id: str) -> list[ContainerSummary]:
+        return await self.call("list", self.driver.list_labelled, node_id)
+
+    async def image_tags(self) -> list[str]:
+        return await self.call("images", self.driver.image_tags)
+
+    async def exec(
+        self,
+        container_id: str,
+        cmd: list[str],
+        env: dict[str, str],
+        workdir: str | None,
+        timeout_s: float,
+        cap: int,
+    ) -> ExecOutput:
+        exec_id = await self.call(
+            "exec_create", self.driver.exec_create, container_id, cmd, env, workdir
+        )
+        sockets: list[socket.socket] = []
+        got_socket = threading.Event()
+
+        def on_socket(s: socket.socket) -> None:
+            sockets.append(s)
+            got_socket.set()
+
+        reading = asyncio.ensure_future(
+            self.call(
+                "exec_start",
+                self.driver.exec_stream,
+                exec_id,
+                cap,
+                on_socket,
+                pool=self.exec_pool,
+            )
+        )
+        timed_out = False
+        try:
+            out, err, truncated = await asyncio.wait_for(asyncio.shield(reading), timeout_s)
+        except TimeoutError:
+            timed_out = True
+            with contextlib.suppress(DockerOpError):
+                await self.call("exec_kill", self.driver.exec_kill, exec_id)
+            # a child that escaped the kill may still hold the stream open: cut it
+            await asyncio.get_running_loop().run_in_executor(None, got_socket.wait, 5)
+            for s in sockets:
+                with contextlib.suppress(OSError):
+                    s.shutdown(socket.SHUT_RDWR)
+            out, err, truncated = await reading
+        except BaseException:
+            for s in sockets:
+                with contextlib.suppress(OSError):
+                    s.shutdown(socket.SHUT_RDWR)
+            raise
+        if timed_out:
+            code = TIMEOUT_EXIT_CODE
+        else:
+            code = await self.call("exec_inspect", self.driver.exec_exit_code, exec_id)
+        return ExecOutput(
+            exit_code=TIMEOUT_EXIT_CODE if code is None else code,
+            stdout=out,
+            stderr=err,
+            truncated=truncated,
+            timed_out=timed_out,
+        )
+
+    def close(self) -> None:
+        self.lifecycle_pool.shutdown(wait=True, cancel_futures=True)
+        self.exec_pool.shutdown(wait=True, cancel_futures=True)

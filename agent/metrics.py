@@ -1,0 +1,65 @@
+"""The agent's Prometheus metrics, in a registry of its own (one per app)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+# 1 ms to 60 s: a pause is ~10 ms, a cold create ~200 ms, a command may run a minute.
+LATENCY_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+)
+
+
+class AgentMetrics:
+    def __init__(self, node_id: str) -> None:
+        self.node_id = node_id
+        self.registry = CollectorRegistry()
+        self.docker_op = Histogram(
+            "dsec_agent_docker_op_seconds",
+            "Docker operations run by the agent",
+            ["node", "op"],
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.docker_errors = Counter(
+            "dsec_agent_docker_errors_total",
+            "Docker operations that failed, by kind",
+            ["node", "op", "kind"],
+            registry=self.registry,
+        )
+        self.exec_seconds = Histogram(
+            "dsec_agent_exec_seconds",
+            "Commands run in sandboxes, from request to result",
+            ["node"],
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.sandboxes = Gauge(
+            "dsec_agent_sandboxes", "Sandboxes on this node", ["node"], registry=self.registry
+        )
+        self.heartbeat_failures = Counter(
+            "dsec_agent_heartbeat_failures_total",
+            "Heartbeats the control plane did not accept",
+            ["node"],
+            registry=self.registry,
+        )
+
+    def observe_docker(self, op: str, seconds: float) -> None:
+        self.docker_op.labels(self.node_id, op).observe(seconds)
+
+    def docker_error(self, op: str, kind: str) -> None:
+        self.docker_errors.labels(self.node_id, op, kind).inc()

@@ -1,0 +1,88 @@
+"""The agent's own record of its sandboxes, on disk so it survives a restart.
+
+Docker labels are fixed at creation, so a lease given to a warm sandbox later can
+only live here. One SQLite file per node; every call runs on a single worker thread
+(SQLite connections are not shared across threads, and the loop never waits on disk).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sqlite3
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS sandboxes (
+    id TEXT PRIMARY KEY,
+    record TEXT NOT NULL
+)
+"""
+
+
+@dataclass
+class SandboxRecord:
+    id: str
+    container_id: str
+    pool: str
+    template: dict  # the TemplateSpec it was created from, as JSON data
+    created_at: float
+    lease_id: str | None = None
+    idempotency_key: str | None = None
+    labels: dict[str, str] = field(default_factory=dict)
+
+
+class SandboxStore:
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._pool = ThreadPoolExecutor(1, "agent-store")
+        self._conn: sqlite3.Connection | None = None
+
+    def _connect(self) -> sqlite3.Connection:
+        if self._conn is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._conn = sqlite3.connect(self.path)
+            self._conn.execute("PRAGMA journal_mode=WAL")
+            self._conn.execute("PRAGMA synchronous=NORMAL")
+            self._conn.execute(SCHEMA)
+        return self._conn
+
+    async def _run(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    def _put(self, record: SandboxRecord) -> None:
+        conn = self._connect()
+        with conn:
+            conn.execute(
+                "INSERT OR REPLACE INTO sandboxes (id, record) VALUES (?, ?)",
+                (record.id, json.dumps(asdict(record))),
+            )
+
+    def _delete(self, sandbox_id: str) -> None:
+        conn = self._connect()
+        with conn:
+            conn.execute("DELETE FROM sandboxes WHERE id = ?", (sandbox_id,))
+
+    def _all(self) -> list[SandboxRecord]:
+        rows = self._connect().execute("SELECT record FROM sandboxes").fetchall()
+        return [SandboxRecord(**json.loads(r[0])) for r in rows]
+
+    def _close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+    async def put(self, record: SandboxRecord) -> None:
+        await self._run(self._put, record)
+
+    async def delete(self, sandbox_id: str) -> None:
+        await self._run(self._delete, sandbox_id)
+
+    async def all(self) -> list[SandboxRecord]:
+        return await self._run(self._all)
+
+    async def close(self) -> None:
+        await self._run(self._close)
+        self._pool.shutdown(wait=True)

@@ -1,0 +1,262 @@
+"""The control plane's HTTP API (DESIGN.md, 'Contracts') and its app factory.
+
+It only decides: acquire and release are answered here, but commands and files go
+straight to the agent named in the acquire answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import re
+from collections import Counter
+from collections.abc import AsyncIterator
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from controlplane.config import ControlPlaneConfig
+from controlplane.gateway import AgentGateway
+from controlplane.metrics import ControlPlaneMetrics, ViewCollector
+from controlplane.queue import RequestQueues
+from controlplane.scheduler import Scheduler
+from controlplane.view import ClusterView
+from dsec.clock import Clock
+from dsec.httpkit import (
+    Api,
+    ApiError,
+    model_response,
+    new_app,
+    read_model,
+    require_token,
+    sandbox_id_param,
+)
+from dsec.models import (
+    NAME_PATTERN,
+    AcquireRequest,
+    Capacity,
+    Lease,
+    NodeInfo,
+    NodeList,
+    NodeReport,
+    PoolInfo,
+    PoolList,
+    PoolParams,
+    Released,
+    SandboxInfo,
+    SandboxList,
+    Usage,
+)
+from dsec.states import SandboxState
+
+SCHEDULER = web.AppKey("scheduler", Scheduler)
+
+
+def _scheduler(request: web.Request) -> Scheduler:
+    return request.app[SCHEDULER]
+
+
+def _client(request: web.Request) -> Scheduler:
+    s = _scheduler(request)
+    require_token(request, [*s.config.client_tokens, *s.config.admin_tokens])
+    return s
+
+
+def _admin(request: web.Request) -> Scheduler:
+    s = _scheduler(request)
+    require_token(request, s.config.admin_tokens)
+    return s
+
+
+async def acquire(request: web.Request) -> web.Response:
+    s = _client(request)
+    body = await read_model(request, AcquireRequest)
+    lease = await s.acquire(body)
+    return model_response(lease, 201)
+
+
+async def list_sandboxes(request: web.Request) -> web.Response:
+    s = _client(request)
+    pool = request.query.get("pool")
+    entries = [e for e in s.view.sandboxes.values() if pool is None or e.pool == pool]
+    return model_response(SandboxList(sandboxes=[s.info_of(e) for e in entries]))
+
+
+async def get_sandbox(request: web.Request) -> web.Response:
+    s = _client(request)
+    sandbox_id = sandbox_id_param(request)
+    entry = s.view.sandboxes.get(sandbox_id)
+    if entry is None:
+        if sandbox_id in s.view.released:
+            raise ApiError(410, "released", f"sandbox {sandbox_id} was released")
+        raise ApiError(404, "unknown_sandbox", f"no sandbox {sandbox_id}")
+    return model_response(s.info_of(entry))
+
+
+async def release(request: web.Request) -> web.Response:
+    s = _client(request)
+    entry = await s.release(sandbox_id_param(request))
+    return model_response(Released(id=entry.id, state=SandboxState.GONE))
+
+
+async def agent_heartbeat(request: web.Request) -> web.Response:
+    s = _scheduler(request)
+    require_token(request, [s.config.agent_token])
+    report = await read_model(request, NodeReport)
+    if report.node_id != request.match_info["node_id"]:
+        raise ApiError(422, "node_mismatch", "the report names another node than the URL")
+    s.on_report(report)
+    return web.json_response({"status": "ok"})
+
+
+async def list_nodes(request: web.Request) -> web.Response:
+    s = _client(request)
+    now = s.clock.now()
+    nodes = []
+    for n in s.view.nodes.values():
+        used = s.view.used(n.id)
+        nodes.append(
+            NodeInfo(
+                node_id=n.id,
+                kind=n.kind,
+                url=n.url,
+                healthy=n.healthy,
+                heartbeat_age_s=max(0.0, now - n.last_seen),
+                capacity=Capacity(
+                    cpus=n.capacity.cpus, memory_mb=n.capacity.memory_mb, slots=n.capacity.slots
+                ),
+                usage=Usage(cpus=used.cpus, memory_mb=used.memory_mb, slots=used.slots),
+                sandboxes=used.slots,
+                images=sorted(n.images),
+            )
+        )
+    return model_response(NodeList(nodes=nodes))
+
+
+def _pool_info(s: Scheduler, name: str) -> PoolInfo:
+    states = Counter(str(e.state) for e in s.view.sandboxes.values() if e.pool == name)
+    return PoolInfo(
+        name=name,
+        params=s.config.pools[name],
+        queue_depth=s.queues.depth(name),
+        sandboxes=dict(states),
+    )
+
+
+async def list_pools(request: web.Request) -> web.Response:
+    s = _client(request)
+    return model_response(PoolList(pools=[_pool_info(s, name) for name in s.config.pools]))
+
+
+async def put_pool(request: web.Request) -> web.Response:
+    s = _admin(request)
+    name = request.match_info["name"]
+    if not re.match(NAME_PATTERN, name):
+        raise ApiError(400, "invalid_pool_name", f"not a pool name: {name!r}")
+    params = await read_model(request, PoolParams)
+    s.set_pool(name, params)
+    return model_response(_pool_info(s, name))
+
+
+async def prometheus_sd(request: web.Request) -> web.Response:
+    s = _scheduler(request)
+    groups = [
+        {
+            "targets": [n.url.removeprefix("http://")],
+            "labels": {"node": n.id, "kind": n.kind, "job": "dsec-agent"},
+        }
+        for n in s.view.nodes.values()
+        if n.healthy
+    ]
+    return web.json_response(groups)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    body = generate_latest(_scheduler(request).metrics.registry)
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+async def healthz(request: web.Request) -> web.Response:
+    s = _scheduler(request)
+    return web.json_response(
+        {"status": "ok", "nodes": len(s.view.nodes), "sandboxes": len(s.view.sandboxes)}
+    )
+
+
+def controlplane_api() -> Api:
+    api = Api("dsec control plane")
+    api.route(
+        "POST",
+        "/v1/sandboxes",
+        acquire,
+        body=AcquireRequest,
+        answer=Lease,
+        summary="acquire a sandbox: waits in the pool's queue up to timeout_s",
+    )
+    api.route(
+        "GET",
+        "/v1/sandboxes",
+        list_sandboxes,
+        answer=SandboxList,
+        summary="all sandboxes (?pool= to filter)",
+    )
+    api.route(
+        "GET", "/v1/sandboxes/{sandbox_id}", get_sandbox, answer=SandboxInfo, summary="one sandbox"
+    )
+    api.route(
+        "DELETE",
+        "/v1/sandboxes/{sandbox_id}",
+        release,
+        answer=Released,
+        summary="release a leased sandbox; it is removed",
+    )
+    api.route("GET", "/v1/nodes", list_nodes, answer=NodeList, summary="registered nodes")
+    api.route("GET", "/v1/pools", list_pools, answer=PoolList, summary="pools and parameters")
+    api.route(
+        "PUT",
+        "/v1/pools/{name}",
+        put_pool,
+        body=PoolParams,
+        answer=PoolInfo,
+        summary="set a pool's parameters live (admin); a bad value changes nothing",
+    )
+    api.route(
+        "PUT",
+        "/v1/agents/{node_id}",
+        agent_heartbeat,
+        body=NodeReport,
+        summary="an agent's registration and heartbeat (agent token)",
+    )
+    api.route(
+        "GET",
+        "/v1/sd/prometheus",
+        prometheus_sd,
+        summary="the agents, in Prometheus' HTTP service-discovery format",
+    )
+    api.route("GET", "/metrics", metrics, summary="Prometheus metrics")
+    api.route("GET", "/healthz", healthz, summary="liveness")
+    return api
+
+
+def create_controlplane_app(config: ControlPlaneConfig, clock: Clock) -> web.Application:
+    metrics_ = ControlPlaneMetrics()
+    view = ClusterView(confirm_grace_s=2 * config.heartbeat_timeout_s)
+    queues = RequestQueues()
+    gateway = AgentGateway(config.agent_token)
+    scheduler = Scheduler(config, view, queues, gateway, clock, metrics_)
+    metrics_.watch(ViewCollector(view, queues, lambda: list(config.pools), clock.now))
+    app = new_app(controlplane_api())
+    app[SCHEDULER] = scheduler
+
+    async def lifecycle(app: web.Application) -> AsyncIterator[None]:
+        await gateway.start()
+        loop = asyncio.create_task(scheduler.run_forever(), name="scheduler")
+        yield
+        loop.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await loop
+        await scheduler.drain()
+        await gateway.close()
+
+    app.cleanup_ctx.append(lifecycle)
+    return app

@@ -1,0 +1,37 @@
+"""The control plane's configuration: pools, templates, credentials, timers."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from dsec.image import BASE_IMAGE
+from dsec.models import Name, PoolParams, TemplateSpec
+
+
+def default_templates() -> dict[str, TemplateSpec]:
+    return {"base": TemplateSpec(name="base", image=BASE_IMAGE)}
+
+
+class ControlPlaneConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    host: str = "127.0.0.1"
+    port: int = Field(8700, ge=0, le=65535)
+    client_tokens: list[str] = Field(default_factory=list, repr=False)
+    admin_tokens: list[str] = Field(min_length=1, repr=False)
+    agent_token: str = Field(min_length=16, repr=False)
+    pools: dict[Name, PoolParams] = Field(default_factory=lambda: {"default": PoolParams()})
+    templates: dict[Name, TemplateSpec] = Field(default_factory=default_templates)
+    tick_s: float = Field(0.25, gt=0, le=60, description="the policy also runs on every event")
+    heartbeat_timeout_s: float = Field(5.0, gt=0, le=3600)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ControlPlaneConfig:
+        for name, spec in self.templates.items():
+            if spec.name != name:
+                raise ValueError(f"template {name!r} names itself {spec.name!r}")
+        for pool, params in self.pools.items():
+            unknown = [t for t in params.templates if t not in self.templates]
+            if unknown:
+                raise ValueError(f"pool {pool!r} keeps unknown templates warm: {unknown}")
+        return self

@@ -1,0 +1,115 @@
+"""The control plane's Prometheus metrics (names and labels as in DESIGN.md).
+
+Counters and histograms are updated as things happen; gauges that describe the
+view (queue depth, sandboxes by state, node utilisation, heartbeat age) are read
+from it at scrape time, so they can never drift from it. Label values are bounded:
+nodes, pools, states, paths and actions, never sandbox ids.
+"""
+
+from __future__ import annotations
+
+from collections import Counter as Tally
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from agent.metrics import LATENCY_BUCKETS
+from controlplane.queue import RequestQueues
+from controlplane.view import ClusterView
+from dsec.states import TERMINAL
+
+
+class ViewCollector(Collector):
+    def __init__(
+        self, view: ClusterView, queues: RequestQueues, pools: Callable[[], list[str]], now
+    ) -> None:
+        self.view, self.queues, self.pools, self.now = view, queues, pools, now
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        depth = GaugeMetricFamily("dsec_queue_depth", "Acquire requests waiting", labels=["pool"])
+        for pool in self.pools():
+            depth.add_metric([pool], self.queues.depth(pool))
+        yield depth
+
+        by_state = Tally(
+            (s.node, s.pool, str(s.state))
+            for s in self.view.sandboxes.values()
+            if s.state not in TERMINAL or s.state == "lost"
+        )
+        sandboxes = GaugeMetricFamily(
+            "dsec_sandboxes", "Sandboxes by node, pool and state", labels=["node", "pool", "state"]
+        )
+        for (node, pool, state), n in sorted(by_state.items()):
+            sandboxes.add_metric([node, pool, state], n)
+        yield sandboxes
+
+        utilisation = GaugeMetricFamily(
+            "dsec_node_utilisation_ratio",
+            "Share of a node's capacity in use (its fullest resource)",
+            labels=["node", "kind"],
+        )
+        age = GaugeMetricFamily(
+            "dsec_agent_heartbeat_age_seconds",
+            "Time since a node's last heartbeat",
+            labels=["node"],
+        )
+        healthy = GaugeMetricFamily(
+            "dsec_node_healthy", "1 while a node heartbeats in time", labels=["node", "kind"]
+        )
+        now = self.now()
+        for node in self.view.nodes.values():
+            utilisation.add_metric([node.id, node.kind], self.view.utilisation(node.id))
+            age.add_metric([node.id], max(0.0, now - node.last_seen))
+            healthy.add_metric([node.id, node.kind], 1.0 if node.healthy else 0.0)
+        yield utilisation
+        yield age
+        yield healthy
+
+
+class ControlPlaneMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        ProcessCollector(registry=self.registry)
+        r = self.registry
+        self.schedule_latency = Histogram(
+            "dsec_schedule_latency_seconds",
+            "From an acquire's arrival to a usable sandbox, by how it was scheduled",
+            ["pool", "path"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.scale_events = Counter(
+            "dsec_scale_events_total", "Actions the policy took", ["pool", "action"], registry=r
+        )
+        self.busy_seconds = Counter(
+            "dsec_sandbox_busy_seconds_total",
+            "Time sandboxes spent running commands",
+            ["pool"],
+            registry=r,
+        )
+        self.alive_seconds = Counter(
+            "dsec_sandbox_alive_seconds_total", "Time sandboxes existed", ["pool"], registry=r
+        )
+        self.episodes = Counter(
+            "dsec_episodes_completed_total",
+            "Leases released by their clients",
+            ["pool"],
+            registry=r,
+        )
+        self.acquires = Counter(
+            "dsec_acquire_requests_total",
+            "Acquire requests by outcome",
+            ["pool", "outcome"],
+            registry=r,
+        )
+        self.agent_call_errors = Counter(
+            "dsec_agent_call_errors_total",
+            "Calls to agents that failed",
+            ["node", "op", "code"],
+            registry=r,
+        )
+
+    def watch(self, collector: ViewCollector) -> None:
+        self.registry.register(collector)

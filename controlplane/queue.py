@@ -1,0 +1,43 @@
+"""Acquire requests waiting for a sandbox, one queue per pool."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+from dsec.models import Lease
+
+
+@dataclass
+class PendingRequest:
+    id: str
+    pool: str
+    template: str
+    priority: int
+    arrived_at: float
+    idempotency_key: str | None
+    labels: dict[str, str]
+    done: asyncio.Future[Lease] = field(default_factory=asyncio.Future)
+    refused_by: set[str] = field(default_factory=set)
+    claimed: bool = False  # a sandbox is being leased to it
+
+
+class RequestQueues:
+    def __init__(self) -> None:
+        self.pending: dict[str, dict[str, PendingRequest]] = {}
+
+    def add(self, req: PendingRequest) -> None:
+        self.pending.setdefault(req.pool, {})[req.id] = req
+
+    def remove(self, req: PendingRequest) -> None:
+        self.pending.get(req.pool, {}).pop(req.id, None)
+
+    def get(self, request_id: str, pool: str) -> PendingRequest | None:
+        return self.pending.get(pool, {}).get(request_id)
+
+    def waiting(self) -> list[PendingRequest]:
+        """Requests not yet handed a sandbox."""
+        return [r for q in self.pending.values() for r in q.values() if not r.claimed]
+
+    def depth(self, pool: str) -> int:
+        return sum(1 for r in self.pending.get(pool, {}).values() if not r.claimed)

@@ -1,0 +1,475 @@
+"""Observe, decide, apply: the control plane's loop around the pure policy.
+
+A tick runs on a short timer and on every event (an acquire, a release, an
+outcome, a heartbeat). It never awaits: it reads the view and the queues into a
+snapshot, asks `dsec.policy.decide` what to do, marks the view and starts one task
+per side effect. Each task calls an agent (idempotent, with a request id) and hands
+its result back as data to `_on_*`, which updates the view and wakes the loop; a
+failure there is just another input to the next tick.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+from collections.abc import Awaitable, Callable
+
+from controlplane.config import ControlPlaneConfig
+from controlplane.gateway import AgentGateway, CallResult
+from controlplane.metrics import ControlPlaneMetrics
+from controlplane.queue import PendingRequest, RequestQueues
+from controlplane.view import ClusterView, SandboxEntry
+from dsec.clock import Clock
+from dsec.httpkit import ApiError
+from dsec.models import (
+    AcquireRequest,
+    CreateSandbox,
+    Lease,
+    LeaseGrant,
+    NodeReport,
+    PoolParams,
+    SandboxInfo,
+)
+from dsec.policy import Action, Claim, Create, Destroy, Pause, RequestSnap, Snapshot, TemplateSnap
+from dsec.policy import decide as policy_decide
+from dsec.states import ASSIGNED, OCCUPYING, SandboxState
+from dsec.tokens import lease_token, new_lease_id
+
+log = logging.getLogger(__name__)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: ControlPlaneConfig,
+        view: ClusterView,
+        queues: RequestQueues,
+        gateway: AgentGateway,
+        clock: Clock,
+        metrics: ControlPlaneMetrics,
+        decide: Callable[..., list[Action]] = policy_decide,
+    ) -> None:
+        self.config = config
+        self.view = view
+        self.queues = queues
+        self.gateway = gateway
+        self.clock = clock
+        self.metrics = metrics
+        self.decide = decide
+        self.requests: dict[str, PendingRequest] = {}
+        # idempotency key -> the waiting request, or the id of the sandbox it got
+        self.by_key: dict[str, PendingRequest | str] = {}
+        self.wakeup = asyncio.Event()
+        self.tasks: set[asyncio.Task] = set()
+        self.ops: dict[str, asyncio.Task] = {}  # the side effect in flight, per sandbox
+        self.ticks = 0
+        self.alive_accounted_at = clock.now()
+
+    # --- the loop ---------------------------------------------------------------
+
+    def wake(self) -> None:
+        self.wakeup.set()
+
+    async def run_forever(self) -> None:
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.wakeup.wait(), self.config.tick_s)
+            self.wakeup.clear()
+            try:
+                self.tick()
+            except Exception:  # a bug must not stop the pool: log it, tick again
+                log.exception("tick failed")
+
+    def tick(self) -> None:
+        now = self.clock.now()
+        self.ticks += 1
+        self._account_alive(now)
+        for node in self.view.mark_silent_nodes(now, self.config.heartbeat_timeout_s):
+            log.warning("node %s missed heartbeats: out of placement", node.id)
+        self._retry_destroys()
+        actions = self.decide(self.snapshot(), self.config.pools, now)
+        self.apply(actions, now)
+
+    def snapshot(self) -> Snapshot:
+        templates = {
+            name: TemplateSnap(name, t.image, t.cpus, t.memory_mb, t.may_overflow)
+            for name, t in self.config.templates.items()
+        }
+        requests = tuple(
+            RequestSnap(r.id, r.pool, r.template, r.priority, r.arrived_at, frozenset(r.refused_by))
+            for r in self.queues.waiting()
+        )
+        return Snapshot(
+            nodes=self.view.node_snaps(),
+            sandboxes=self.view.sandbox_snaps(),
+            requests=requests,
+            templates=templates,
+            seed=self.ticks,
+        )
+
+    def apply(self, actions: list[Action], now: float) -> None:
+        for action in actions:
+            match action:
+                case Claim():
+                    self._claim(action, now)
+                case Create():
+                    self._create(action, now)
+                case Destroy():
+                    entry = self.view.sandboxes.get(action.sandbox_id)
+                    if entry is not None:
+                        self._destroy(entry, now, action="destroy")
+                case Pause():
+                    entry = self.view.sandboxes.get(action.sandbox_id)
+                    if entry is not None:
+                        self._pause(entry, now)
+
+    def _spawn(self, entry: SandboxEntry, coro: Awaitable[None]) -> asyncio.Task:
+        entry.op_in_flight = True
+        task = asyncio.ensure_future(coro)
+        self.tasks.add(task)
+        self.ops[entry.id] = task
+
+        def done(t: asyncio.Task) -> None:
+            self.tasks.discard(t)
+            if self.ops.get(entry.id) is t:
+                del self.ops[entry.id]
+
+        task.add_done_callback(done)
+        return task
+
+    def _account_alive(self, now: float) -> None:
+        elapsed = now - self.alive_accounted_at
+        self.alive_accounted_at = now
+        per_pool: dict[str, int] = {}
+        for entry in self.view.sandboxes.values():
+            if entry.state in OCCUPYING:
+                per_pool[entry.pool] = per_pool.get(entry.pool, 0) + 1
+        for pool, n in per_pool.items():
+            self.metrics.alive_seconds.labels(pool).inc(n * elapsed)
+
+    # --- applying actions ---------------------------------------------------------
+
+    def _node_url(self, node_id: str) -> str:
+        return self.view.nodes[node_id].url
+
+    def _create(self, action: Create, now: float) -> None:
+        node = self.view.nodes.get(action.node)
+        template = self.config.templates.get(action.template)
+        if node is None or template is None:
+            return
+        entry = SandboxEntry(
+            id=f"{node.id}.{secrets.token_hex(8)}",
+            node=node.id,
+            pool=action.pool,
+            template=action.template,
+            state=SandboxState.CREATING,
+            since=now,
+            created_at=self.clock.wall(),
+            cpus=template.cpus,
+            memory_mb=template.memory_mb,
+            reserved_for=action.for_request,
+        )
+        self.view.sandboxes[entry.id] = entry
+        kind = "overflow" if node.kind == "cloud" else "create"
+        self.metrics.scale_events.labels(action.pool, kind).inc()
+        body = CreateSandbox(
+            sandbox_id=entry.id, pool=action.pool, template=template, request_id=entry.id
+        )
+
+        async def run() -> None:
+            result = await self.gateway.call(
+                "POST", f"{node.url}/v1/sandboxes", body, request_id=entry.id
+            )
+            self._on_created(entry, result)
+
+        self._spawn(entry, run())
+
+    def _on_created(self, entry: SandboxEntry, result: CallResult) -> None:
+        now = self.clock.now()
+        entry.op_in_flight = False
+        if result.ok:
+            entry.move(SandboxState.WARM, now)
+            entry.confirmed_at = now
+        else:
+            self._call_failed(entry, "create", result)
+            if entry.reserved_for and (req := self.requests.get(entry.reserved_for)):
+                req.refused_by.add(entry.node)  # the agent's refusal is final for that node
+            entry.move(SandboxState.GONE, now)
+            # no tombstone: if Docker did create it after all, the next heartbeat says so
+            self.view.sandboxes.pop(entry.id, None)
+        self.wake()
+
+    def _claim(self, action: Claim, now: float) -> None:
+        req = self.requests.get(action.request_id)
+        entry = self.view.sandboxes.get(action.sandbox_id)
+        if req is None or entry is None or req.done.done():
+            return
+        entry.move(SandboxState.LEASED, now)
+        entry.lease_id = new_lease_id()
+        entry.idempotency_key = req.idempotency_key
+        entry.labels = dict(req.labels)
+        entry.reserved_for = None
+        req.claimed = True
+        if action.path == "thaw":
+            self.metrics.scale_events.labels(entry.pool, "thaw").inc()
+        grant = LeaseGrant(
+            lease_id=entry.lease_id,
+            idempotency_key=req.idempotency_key,
+            labels=req.labels,
+            request_id=req.id,
+        )
+        url = f"{self._node_url(entry.node)}/v1/sandboxes/{entry.id}/lease"
+
+        async def run() -> None:
+            result = await self.gateway.call("POST", url, grant, request_id=req.id)
+            self._on_leased(entry, req, action.path, result)
+
+        self._spawn(entry, run())
+
+    def _on_leased(
+        self, entry: SandboxEntry, req: PendingRequest, path: str, result: CallResult
+    ) -> None:
+        now = self.clock.now()
+        entry.op_in_flight = False
+        if not result.ok:
+            self._call_failed(entry, "lease", result)
+            req.claimed = False  # back in the queue, first in line by its arrival time
+            self._destroy(entry, now, action="destroy")
+            self.wake()
+            return
+        entry.confirmed_at = now
+        if req.done.done():  # its client gave up while the lease was being made
+            self._destroy(entry, now, action="destroy")
+            return
+        self.queues.remove(req)
+        self.requests.pop(req.id, None)
+        if req.idempotency_key:
+            self.by_key[req.idempotency_key] = entry.id
+        schedule_s = now - req.arrived_at
+        self.metrics.schedule_latency.labels(entry.pool, path).observe(schedule_s)
+        self.metrics.acquires.labels(entry.pool, "served").inc()
+        req.done.set_result(self.lease_of(entry, path, schedule_s * 1000))
+
+    def _destroy(self, entry: SandboxEntry, now: float, action: str) -> asyncio.Task | None:
+        if entry.op_in_flight:
+            return None
+        if entry.state != SandboxState.DESTROYING:
+            entry.move(SandboxState.DESTROYING, now)
+            self.metrics.scale_events.labels(entry.pool, action).inc()
+        node = self.view.nodes.get(entry.node)
+
+        async def run() -> None:
+            if node is None:
+                result = CallResult(False, 0, "unreachable", f"node {entry.node} is unknown")
+            else:
+                result = await self.gateway.call(
+                    "DELETE", f"{node.url}/v1/sandboxes/{entry.id}", request_id=entry.id
+                )
+            self._on_destroyed(entry, result)
+
+        return self._spawn(entry, run())
+
+    def _on_destroyed(self, entry: SandboxEntry, result: CallResult) -> None:
+        entry.op_in_flight = False
+        if result.ok or result.status in (404, 410):
+            entry.move(SandboxState.GONE, self.clock.now())
+            self.view.forget(entry.id)
+        else:
+            self._call_failed(entry, "destroy", result)  # retried by a later tick
+        self.wake()
+
+    def _retry_destroys(self) -> None:
+        now = self.clock.now()
+        for entry in list(self.view.sandboxes.values()):
+            node = self.view.nodes.get(entry.node)
+            if (
+                entry.state == SandboxState.DESTROYING
+                and not entry.op_in_flight
+                and node is not None
+                and node.healthy
+            ):
+                self._destroy(entry, now, action="destroy")
+
+    def _pause(self, entry: SandboxEntry, now: float) -> None:
+        target = {
+            SandboxState.WARM: SandboxState.PAUSED,
+            SandboxState.LEASED: SandboxState.LEASED_PAUSED,
+        }.get(entry.state)
+        if entry.op_in_flight or target is None:
+            return
+        url = f"{self._node_url(entry.node)}/v1/sandboxes/{entry.id}/pause"
+
+        async def run() -> None:
+            result = await self.gateway.call("POST", url, request_id=entry.id)
+            entry.op_in_flight = False
+            if result.ok:
+                entry.move(target, self.clock.now())
+                entry.confirmed_at = self.clock.now()
+                self.metrics.scale_events.labels(entry.pool, "freeze").inc()
+            else:
+                self._call_failed(entry, "pause", result)
+            self.wake()
+
+        self._spawn(entry, run())
+
+    def _call_failed(self, entry: SandboxEntry, op: str, result: CallResult) -> None:
+        self.metrics.agent_call_errors.labels(entry.node, op, result.code).inc()
+        log.warning(
+            "%s of %s on %s failed: %s %s", op, entry.id, entry.node, result.code, result.message
+        )
+
+    # --- what the API asks ----------------------------------------------------------
+
+    def lease_of(self, entry: SandboxEntry, path: str, schedule_ms: float) -> Lease:
+        assert entry.lease_id is not None
+        return Lease(
+            **self.info_of(entry).model_dump(exclude={"lease_id"}),
+            lease_id=entry.lease_id,
+            lease_token=lease_token(self.config.agent_token, entry.id, entry.lease_id),
+            path=path,
+            schedule_ms=schedule_ms,
+        )
+
+    def info_of(self, entry: SandboxEntry) -> SandboxInfo:
+        node = self.view.nodes.get(entry.node)
+        return SandboxInfo(
+            id=entry.id,
+            node=entry.node,
+            agent_url=node.url if node else "",
+            pool=entry.pool,
+            template=entry.template,
+            state=entry.state,
+            created_at=entry.created_at,
+            lease_id=entry.lease_id,
+            labels=entry.labels,
+        )
+
+    async def acquire(self, body: AcquireRequest) -> Lease:
+        if body.pool not in self.config.pools:
+            raise ApiError(
+                422,
+                "unknown_pool",
+                f"no pool named {body.pool!r}",
+                [{"loc": "pool", "msg": f"known: {sorted(self.config.pools)}"}],
+            )
+        if body.template not in self.config.templates:
+            raise ApiError(
+                422,
+                "unknown_template",
+                f"no template named {body.template!r}",
+                [{"loc": "template", "msg": f"known: {sorted(self.config.templates)}"}],
+            )
+        key = body.idempotency_key
+        if key is not None and key in self.by_key:
+            return await self._acquire_again(key, body.timeout_s)
+        req = PendingRequest(
+            id=secrets.token_hex(8),
+            pool=body.pool,
+            template=body.template,
+            priority=body.priority,
+            arrived_at=self.clock.now(),
+            idempotency_key=key,
+            labels=dict(body.labels),
+        )
+        self.queues.add(req)
+        self.requests[req.id] = req
+        if key is not None:
+            self.by_key[key] = req
+        self.wake()
+        return await self._await_lease(req, body.timeout_s)
+
+    async def _acquire_again(self, key: str, timeout_s: float) -> Lease:
+        known = self.by_key[key]
+        if isinstance(known, PendingRequest):
+            return await self._await_lease(known, timeout_s)
+        entry = self.view.sandboxes.get(known)
+        if entry is None or entry.state not in ASSIGNED:
+            raise ApiError(
+                409,
+                "idempotency_key_spent",
+                f"idempotency key {key!r} belonged to sandbox {known}, now released",
+            )
+        return self.lease_of(entry, "warm", 0.0)
+
+    async def _await_lease(self, req: PendingRequest, timeout_s: float) -> Lease:
+        try:
+            return await asyncio.wait_for(asyncio.shield(req.done), timeout_s)
+        except TimeoutError:
+            if req.done.done() and not req.done.cancelled():
+                return req.done.result()
+            self._abandon(req, "timed_out")
+            raise ApiError(
+                503, "acquire_timeout", f"no sandbox was ready within {timeout_s} s; retry later"
+            ) from None
+        except asyncio.CancelledError:
+            if req.done.done() and not req.done.cancelled():
+                # the client left after its lease was made: give the sandbox back
+                entry = self.view.sandboxes.get(req.done.result().id)
+                if entry is not None:
+                    self._destroy(entry, self.clock.now(), action="destroy")
+            else:
+                self._abandon(req, "cancelled")
+            raise
+
+    def _abandon(self, req: PendingRequest, outcome: str) -> None:
+        self.metrics.acquires.labels(req.pool, outcome).inc()
+        req.done.cancel()  # a lease still in flight sees this and gives its sandbox back
+        self.queues.remove(req)
+        self.requests.pop(req.id, None)
+        if req.idempotency_key and self.by_key.get(req.idempotency_key) is req:
+            del self.by_key[req.idempotency_key]
+        for entry in self.view.sandboxes.values():
+            if entry.reserved_for == req.id:
+                entry.reserved_for = None  # it joins the warm pool
+        self.wake()
+
+    async def release(self, sandbox_id: str) -> SandboxEntry:
+        entry = self.view.sandboxes.get(sandbox_id)
+        if entry is None:
+            if sandbox_id in self.view.released:
+                raise ApiError(409, "already_released", f"sandbox {sandbox_id} was released")
+            raise ApiError(404, "unknown_sandbox", f"no sandbox {sandbox_id}")
+        if entry.state == SandboxState.DESTROYING:
+            raise ApiError(409, "already_released", f"sandbox {sandbox_id} is being released")
+        if entry.state == SandboxState.LOST:
+            self.view.forget(sandbox_id)  # nothing to remove we can reach; its node may
+            return entry  # still report it, and the tombstone makes that a removal
+        if entry.state not in ASSIGNED:
+            raise ApiError(409, "not_leased", f"sandbox {sandbox_id} is not leased")
+        self.metrics.episodes.labels(entry.pool).inc()
+        if entry.idempotency_key:
+            self.by_key.pop(entry.idempotency_key, None)
+        if (in_flight := self.ops.get(sandbox_id)) is not None:
+            await asyncio.shield(in_flight)  # a pause or thaw under way finishes first
+        task = self._destroy(entry, self.clock.now(), action="release")
+        if task is not None:
+            await asyncio.shield(task)
+        return entry
+
+    def on_report(self, report: NodeReport) -> None:
+        changes = self.view.apply_report(report, self.clock.now())
+        for pool, seconds in changes.busy_s.items():
+            self.metrics.busy_seconds.labels(pool).inc(seconds)
+        for entry in changes.added:
+            if entry.idempotency_key and entry.state in ASSIGNED:
+                self.by_key.setdefault(entry.idempotency_key, entry.id)
+        self.wake()
+
+    def set_pool(self, name: str, params: PoolParams) -> None:
+        unknown = [t for t in params.templates if t not in self.config.templates]
+        if unknown:
+            raise ApiError(
+                422,
+                "unknown_template",
+                f"pool {name!r} names unknown templates",
+                [{"loc": "templates", "msg": f"unknown: {unknown}"}],
+            )
+        self.config.pools[name] = params
+        self.wake()
+
+    async def drain(self) -> None:
+        """Wait for side effects in flight, so shutdown leaves nothing half-done."""
+        if self.tasks:
+            await asyncio.gather(*list(self.tasks), return_exceptions=True)

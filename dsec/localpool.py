@@ -1,0 +1,230 @@
+"""`dsec up`: a control plane and N agents on loopback, as child processes.
+
+Each part is the same process `dsec controlplane` or `dsec agent` would start, so
+the local pool exercises the real HTTP paths. Ctrl-C or SIGTERM stops the agents
+(which remove their sandboxes), then the control plane, then sweeps Docker for any
+container still labelled with one of its nodes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+import docker
+
+from agent.docker_driver import LABEL_NODE
+from controlplane.config import ControlPlaneConfig
+from dsec.image import ensure_base_image
+from dsec.models import Capacity, PoolParams
+from dsec.tokens import new_token
+
+READY_TIMEOUT_S = 60.0
+
+
+class LocalPoolError(RuntimeError):
+    pass
+
+
+@dataclass
+class LocalPoolSpec:
+    name: str = "dsec"
+    nodes: int = 3
+    port: int = 8700
+    capacity: Capacity = field(default_factory=lambda: Capacity(cpus=16, memory_mb=32768, slots=64))
+    pool: PoolParams = field(default_factory=PoolParams)
+    state_dir: Path = field(default_factory=lambda: Path.home() / ".dsec")
+    heartbeat_s: float = 1.0
+    tick_s: float = 0.25
+
+
+@dataclass
+class Child:
+    name: str
+    proc: asyncio.subprocess.Process
+    url: str = ""
+    drain: asyncio.Task | None = None
+
+
+@dataclass
+class Tokens:
+    client: str
+    admin: str
+    agent: str
+
+    @classmethod
+    def from_env_or_new(cls) -> Tokens:
+        return cls(
+            client=os.environ.get("DSEC_TOKEN") or new_token(),
+            admin=os.environ.get("DSEC_ADMIN_TOKEN") or new_token(),
+            agent=os.environ.get("DSEC_AGENT_TOKEN") or new_token(),
+        )
+
+    def env(self) -> dict[str, str]:
+        return {
+            "DSEC_TOKEN": self.client,
+            "DSEC_ADMIN_TOKEN": self.admin,
+            "DSEC_AGENT_TOKEN": self.agent,
+        }
+
+
+class LocalPool:
+    def __init__(self, spec: LocalPoolSpec) -> None:
+        self.spec = spec
+        self.dir = spec.state_dir / spec.name
+        self.tokens = Tokens.from_env_or_new()
+        self.controlplane: Child | None = None
+        self.agents: list[Child] = []
+        self.node_ids = [f"{spec.name}-{i}" for i in range(1, spec.nodes + 1)]
+
+    @property
+    def env_file(self) -> Path:
+        return self.dir / "env"
+
+    @property
+    def url(self) -> str:
+        assert self.controlplane is not None
+        return self.controlplane.url
+
+    async def start(self) -> None:
+        await asyncio.to_thread(self._prepare_docker)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        config = ControlPlaneConfig(
+            port=self.spec.port,
+            client_tokens=[self.tokens.client],
+            admin_tokens=[self.tokens.admin],
+            agent_token=self.tokens.agent,
+            pools={"default": self.spec.pool},
+            tick_s=self.spec.tick_s,
+        )
+        config_path = self.dir / "controlplane.json"
+        # tokens reach the children through the environment, not the config file
+        config_path.write_text(
+            config.model_dump_json(
+                indent=2, exclude={"client_tokens", "admin_tokens", "agent_token"}
+            )
+        )
+        self.controlplane = await self._spawn(
+            "controlplane", ["controlplane", "--config", str(config_path)]
+        )
+        for i, node_id in enumerate(self.node_ids, start=1):
+            args = [
+                "agent",
+                "--node-id", node_id,
+                "--host", f"127.0.0.{i + 1}",
+                "--port", "0",
+                "--controlplane", self.url,
+                "--cpus", str(self.spec.capacity.cpus),
+                "--memory-mb", str(self.spec.capacity.memory_mb),
+                "--slots", str(self.spec.capacity.slots),
+                "--state-dir", str(self.dir),
+                "--heartbeat-s", str(self.spec.heartbeat_s),
+                "--cleanup-on-exit",
+            ]  # fmt: skip
+            self.agents.append(await self._spawn(node_id, args))
+        await self._wait_registered()
+        self._write_env_file()
+
+    def _prepare_docker(self) -> None:
+        try:
+            client = docker.from_env()
+            client.ping()
+        except docker.errors.DockerException as e:
+            raise LocalPoolError(
+                f"the Docker engine is not reachable ({e}); start it, for example "
+                "`dockerd --bridge=none --iptables=false &`"
+            ) from e
+        ensure_base_image(client)
+
+    async def _spawn(self, name: str, args: list[str]) -> Child:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "dsec.cli", *args,
+            stdout=asyncio.subprocess.PIPE,
+            env={**os.environ, **self.tokens.env()},
+            start_new_session=True,  # Ctrl-C reaches us alone; we stop the children in order
+        )  # fmt: skip
+        child = Child(name, proc)
+        assert proc.stdout is not None
+        try:
+            line = await asyncio.wait_for(proc.stdout.readline(), READY_TIMEOUT_S)
+            child.url = json.loads(line)["url"]
+        except (TimeoutError, ValueError, KeyError) as e:
+            await self._stop_child(child)
+            raise LocalPoolError(f"{name} did not start (exit code {proc.returncode})") from e
+        child.drain = asyncio.create_task(proc.stdout.read())  # never let its pipe fill
+        return child
+
+    async def _wait_registered(self) -> None:
+        headers = {"Authorization": f"Bearer {self.tokens.admin}"}
+        async with aiohttp.ClientSession(headers=headers) as http:
+            for _ in range(int(READY_TIMEOUT_S / 0.1)):
+                async with http.get(f"{self.url}/v1/nodes") as resp:
+                    nodes = (await resp.json())["nodes"]
+                if {n["node_id"] for n in nodes if n["healthy"]} >= set(self.node_ids):
+                    return
+                await asyncio.sleep(0.1)
+        raise LocalPoolError("the agents did not register with the control plane in time")
+
+    def _write_env_file(self) -> None:
+        lines = [f"export DSEC_URL={self.url}"] + [
+            f"export {k}={v}" for k, v in self.tokens.env().items()
+        ]
+        self.env_file.touch(mode=0o600)
+        self.env_file.write_text("\n".join(lines) + "\n")
+
+    def summary(self) -> dict:
+        return {
+            "url": self.url,
+            "metrics": f"{self.url}/metrics",
+            "service_discovery": f"{self.url}/v1/sd/prometheus",
+            "env_file": str(self.env_file),
+            "nodes": [{"node_id": a.name, "url": a.url} for a in self.agents],
+        }
+
+    async def wait(self, stop: asyncio.Event) -> str:
+        """Until `stop` is set or a child dies; returns why."""
+        waits = {asyncio.create_task(stop.wait()): "stopped"}
+        for child in [self.controlplane, *self.agents]:
+            if child is not None:
+                waits[asyncio.create_task(child.proc.wait())] = f"{child.name} exited"
+        done, pending = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        for task in pending:
+            task.cancel()
+        return waits[done.pop()]
+
+    async def stop(self) -> int:
+        """Stop everything; returns how many leftover containers the sweep removed."""
+        await asyncio.gather(*(self._stop_child(a) for a in self.agents))
+        if self.controlplane is not None:
+            await self._stop_child(self.controlplane)
+        return await asyncio.to_thread(self._sweep_containers)
+
+    async def _stop_child(self, child: Child) -> None:
+        if child.proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                child.proc.send_signal(signal.SIGTERM)
+            try:
+                await asyncio.wait_for(child.proc.wait(), 60)
+            except TimeoutError:
+                child.proc.kill()
+                await child.proc.wait()
+        if child.drain is not None:
+            with contextlib.suppress(Exception):
+                await child.drain
+
+    def _sweep_containers(self) -> int:
+        client = docker.from_env()
+        removed = 0
+        for node_id in self.node_ids:
+            for c in client.containers.list(all=True, filters={"label": f"{LABEL_NODE}={node_id}"}):
+                with contextlib.suppress(docker.errors.NotFound):
+                    c.remove(force=True)
+                    removed += 1
+        return removed

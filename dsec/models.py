@@ -1,0 +1,258 @@
+"""Wire models: what crosses HTTP between clients, the control plane and agents.
+
+Every model refuses unknown fields, so a typo in a request is an error the caller
+sees instead of a setting silently ignored.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
+
+from dsec.states import SandboxState
+
+NAME_PATTERN = r"^[a-z0-9][a-z0-9-]{0,31}$"
+# A sandbox id carries its node (as DSec does), so anything can route it to the
+# owning agent without a lookup: "<node>.<16 hex>".
+SANDBOX_ID_PATTERN = r"^[a-z0-9][a-z0-9-]{0,31}\.[0-9a-f]{16}$"
+SANDBOX_ID_RE = re.compile(SANDBOX_ID_PATTERN)
+
+Name = Annotated[str, StringConstraints(pattern=NAME_PATTERN)]
+SandboxId = Annotated[str, StringConstraints(pattern=SANDBOX_ID_PATTERN)]
+LabelKey = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,62}$")]
+LabelValue = Annotated[str, StringConstraints(max_length=256)]
+IdempotencyKey = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9._:-]{1,128}$")]
+ImageRef = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9._/:@-]{0,254}$")]
+NodeKind = Literal["local", "cloud"]
+SchedulePath = Literal["warm", "thaw", "cold", "overflow"]
+
+MAX_TIMEOUT_S = 3600.0
+MAX_OUTPUT_BYTES = 16 * 1024 * 1024
+
+
+def node_of(sandbox_id: str) -> str:
+    return sandbox_id.rsplit(".", 1)[0]
+
+
+class Wire(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+# --- errors ---------------------------------------------------------------
+
+
+class ErrorBody(Wire):
+    code: str = Field(description="machine-readable reason, e.g. validation_error")
+    message: str
+    details: list[dict] | None = None
+
+
+class ErrorResponse(Wire):
+    error: ErrorBody
+
+
+# --- client <-> control plane --------------------------------------------
+
+
+class AcquireRequest(Wire):
+    pool: Name = "default"
+    template: Name = "base"
+    priority: int = Field(0, ge=-1000, le=1000, description="higher is served first")
+    timeout_s: float = Field(
+        30.0, gt=0, le=MAX_TIMEOUT_S, description="how long to wait for a sandbox"
+    )
+    idempotency_key: IdempotencyKey | None = Field(
+        None, description="a retry with the same key gets the same sandbox, not a second one"
+    )
+    labels: dict[LabelKey, LabelValue] = Field(default_factory=dict, max_length=32)
+
+
+class SandboxInfo(Wire):
+    id: SandboxId
+    node: Name
+    agent_url: str = Field(description="where exec and files for this sandbox are served")
+    pool: Name
+    template: Name
+    state: SandboxState
+    created_at: float
+    lease_id: str | None = None
+    labels: dict[str, str] = Field(default_factory=dict)
+
+
+class Lease(SandboxInfo):
+    """The acquire answer: a sandbox plus the credential to use it."""
+
+    lease_id: str
+    lease_token: str = Field(description="bearer token for exec on the owning agent")
+    path: SchedulePath = Field(description="how it was scheduled: warm, thaw, cold, overflow")
+    schedule_ms: float = Field(description="from the request's arrival to a usable sandbox")
+
+
+class Released(Wire):
+    id: SandboxId
+    state: SandboxState
+
+
+class SandboxList(Wire):
+    sandboxes: list[SandboxInfo]
+
+
+# --- exec (client <-> agent) ----------------------------------------------
+
+
+class ExecRequest(Wire):
+    cmd: list[Annotated[str, StringConstraints(max_length=65536)]] = Field(
+        min_length=1, max_length=4096, description="argv; no shell unless you run one"
+    )
+    timeout_s: float = Field(60.0, gt=0, le=MAX_TIMEOUT_S)
+    max_output_bytes: int = Field(
+        1024 * 1024, ge=0, le=MAX_OUTPUT_BYTES, description="cap per stream; the rest is dropped"
+    )
+    env: dict[Annotated[str, StringConstraints(pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")], str] = (
+        Field(default_factory=dict, max_length=256)
+    )
+    workdir: Annotated[str, StringConstraints(pattern=r"^/[^\x00]{0,1023}$")] | None = None
+
+
+class ExecResult(Wire):
+    exit_code: int = Field(description="the command's exit code; 124 when it timed out")
+    stdout: str
+    stderr: str
+    timed_out: bool = False
+    truncated: bool = Field(False, description="output went past max_output_bytes")
+    duration_ms: float
+
+
+# --- templates, pools, nodes ----------------------------------------------
+
+
+class TemplateSpec(Wire):
+    """How to run a sandbox: the image and its limits. Safe by default."""
+
+    name: Name
+    image: ImageRef
+    cpus: float = Field(0.5, gt=0, le=256)
+    memory_mb: int = Field(256, ge=16, le=1024 * 1024)
+    may_overflow: bool = Field(True, description="may run on cloud nodes")
+    user: str = Field("1000:1000", pattern=r"^[A-Za-z0-9_:-]{1,64}$")
+    workdir: str = Field("/work", pattern=r"^/[A-Za-z0-9._/-]{0,255}$")
+    workdir_mb: int = Field(256, ge=1, le=1024 * 1024, description="size of the writable work dir")
+    read_only_root: bool = True
+    pids_limit: int = Field(256, ge=8, le=1_000_000)
+    nofile_limit: int = Field(1024, ge=16, le=1_048_576)
+    command: list[str] = Field(
+        default_factory=lambda: ["sleep", "2147483647"], min_length=1, max_length=64
+    )
+
+
+class PoolParams(Wire):
+    """A pool's elastic-policy parameters (DESIGN.md, 'The elastic policy')."""
+
+    min_warm: int = Field(2, ge=0, le=100_000)
+    max_warm: int = Field(64, ge=0, le=100_000)
+    warm_fraction: float = Field(0.15, ge=0, le=1)
+    scale_up_k: float = Field(2.0, gt=0, le=1000)
+    scale_up_step: float = Field(0.5, gt=0, le=10)
+    freeze_after_s: float = Field(30.0, gt=0, le=86_400)
+    scale_down_step: float = Field(0.2, gt=0, le=1)
+    hibernate_after_s: float = Field(120.0, gt=0, le=86_400)
+    frozen_ttl_s: float = Field(300.0, gt=0, le=7 * 86_400)
+    lease_idle_freeze_s: float = Field(600.0, gt=0, le=7 * 86_400)
+    overflow_threshold: float = Field(0.8, gt=0, le=1)
+    templates: list[Name] = Field(
+        default_factory=lambda: ["base"], max_length=64, description="templates kept warm"
+    )
+
+    @model_validator(mode="after")
+    def _consistent(self) -> PoolParams:
+        if self.max_warm < self.min_warm:
+            raise ValueError(f"max_warm ({self.max_warm}) is below min_warm ({self.min_warm})")
+        return self
+
+
+class PoolInfo(Wire):
+    name: Name
+    params: PoolParams
+    queue_depth: int
+    sandboxes: dict[str, int] = Field(description="count by state")
+
+
+class PoolList(Wire):
+    pools: list[PoolInfo]
+
+
+class Capacity(Wire):
+    cpus: float = Field(gt=0, le=100_000)
+    memory_mb: int = Field(gt=0, le=1 << 40)
+    slots: int = Field(gt=0, le=1_000_000)
+
+
+class Usage(Wire):
+    cpus: float = 0.0
+    memory_mb: int = 0
+    slots: int = 0
+
+
+class SandboxReport(Wire):
+    """An agent's account of one of its sandboxes."""
+
+    id: SandboxId
+    pool: Name
+    template: Name
+    state: SandboxState
+    created_at: float
+    lease_id: str | None = None
+    idempotency_key: str | None = None
+    labels: dict[str, str] = Field(default_factory=dict)
+    cpus: float
+    memory_mb: int
+    busy_s: float = Field(0.0, description="seconds spent running commands, all time")
+    idle_s: float = Field(0.0, description="seconds since the last command ended (or start)")
+
+
+class NodeReport(Wire):
+    """The heartbeat: everything the control plane knows about a node comes from here."""
+
+    node_id: Name
+    kind: NodeKind
+    url: str
+    capacity: Capacity
+    usage: Usage
+    images: list[str] = Field(default_factory=list, max_length=10_000)
+    sandboxes: list[SandboxReport] = Field(default_factory=list, max_length=1_000_000)
+    incarnation: str = Field(description="changes every time the agent process starts")
+
+
+class NodeInfo(Wire):
+    node_id: Name
+    kind: NodeKind
+    url: str
+    healthy: bool
+    heartbeat_age_s: float
+    capacity: Capacity
+    usage: Usage
+    sandboxes: int
+    images: list[str]
+
+
+class NodeList(Wire):
+    nodes: list[NodeInfo]
+
+
+# --- control plane -> agent -----------------------------------------------
+
+
+class CreateSandbox(Wire):
+    sandbox_id: SandboxId
+    pool: Name
+    template: TemplateSpec
+    request_id: str = Field(max_length=128)
+
+
+class LeaseGrant(Wire):
+    lease_id: str = Field(pattern=r"^[0-9a-f]{32}$")
+    idempotency_key: IdempotencyKey | None = None
+    labels: dict[LabelKey, LabelValue] = Field(default_factory=dict, max_length=32)
+    request_id: str = Field(max_length=128)

@@ -1,0 +1,26 @@
+"""Credentials: bearer tokens and the per-lease exec token.
+
+A lease token is an HMAC of (sandbox id, lease id) under the cluster's agent secret,
+which the control plane and the agents share. The agent checks it against the lease
+it holds for that sandbox, so it needs no call to the control plane, a token is
+useless on any other sandbox, and it dies with the lease on release.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+
+
+def new_token() -> str:
+    return secrets.token_urlsafe(32)
+
+
+def new_lease_id() -> str:
+    return secrets.token_hex(16)
+
+
+def lease_token(secret: str, sandbox_id: str, lease_id: str) -> str:
+    mac = hmac.new(secret.encode(), f"{sandbox_id}:{lease_id}".encode(), hashlib.sha256)
+    return mac.hexdigest()

@@ -1,0 +1,145 @@
+"""The trace format: JSON Lines, one episode per line.
+
+    {"episode": "e1", "arrival_s": 0.0, "pool": "train", "template": "base", "priority": 0,
+     "steps": [{"think_s": 2.5, "exec_s": 0.8}, ...]}
+
+Replay acquires a sandbox at ``arrival_s``, then for every step waits ``think_s`` (the model
+thinking; the sandbox is idle) and runs a command that takes ``exec_s``, then releases it.
+
+Loading is strict: unknown fields, strings where numbers belong, negative or non-finite times
+and duplicate episode ids are refused with a :class:`TraceError` naming the file and line.
+Times are kept to the microsecond: finer is below anything replay can honour, and it keeps
+generated files short and round-trips exact.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Annotated
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
+
+MAX_STEPS_PER_EPISODE = 100_000
+MAX_ID_LENGTH = 256
+MAX_NAME_LENGTH = 128
+
+
+def _to_microseconds(seconds: float) -> float:
+    return round(seconds, 6)
+
+
+Seconds = Annotated[float, Field(ge=0, allow_inf_nan=False), AfterValidator(_to_microseconds)]
+Name = Annotated[str, Field(min_length=1, max_length=MAX_NAME_LENGTH)]
+
+
+class TraceError(ValueError):
+    """A trace (or a file being imported as one) is unreadable or invalid at a given line."""
+
+    def __init__(self, path: str | Path, line: int | None, problem: str) -> None:
+        self.path = str(path)
+        self.line = line
+        self.problem = problem
+        where = self.path if line is None else f"{self.path} line {line}"
+        super().__init__(f"{where}: {problem}")
+
+    @classmethod
+    def from_validation(cls, path: str | Path, line: int, error: ValidationError) -> TraceError:
+        """Name every problem pydantic found, by field path (``steps.0.think_s``)."""
+        problems = []
+        for detail in error.errors(include_url=False):
+            if detail["type"] == "json_invalid":
+                problems.append(f"malformed JSON ({detail['ctx']['error']})")
+                continue
+            field = ".".join(str(part) for part in detail["loc"])
+            message = "unknown field" if detail["type"] == "extra_forbidden" else detail["msg"]
+            problems.append(f"{field}: {message}" if field else message)
+        return cls(path, line, "; ".join(problems))
+
+
+class _Strict(BaseModel):
+    # strict: a trace that says "2.5" or true where a number belongs is wrong, not coercible.
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+class Step(_Strict):
+    """The model thinks for ``think_s`` (sandbox idle), then a tool runs for ``exec_s``."""
+
+    think_s: Seconds
+    exec_s: Seconds
+
+
+class Episode(_Strict):
+    """One agent's hold on one sandbox, from acquire at ``arrival_s`` to release."""
+
+    episode: str = Field(min_length=1, max_length=MAX_ID_LENGTH)
+    arrival_s: Seconds
+    pool: Name = "default"
+    template: Name = "base"
+    priority: int = 0
+    steps: list[Step] = Field(min_length=1, max_length=MAX_STEPS_PER_EPISODE)
+
+    @property
+    def lifetime_s(self) -> float:
+        """Time from acquire to release, if the sandbox is handed out at once."""
+        return sum(step.think_s + step.exec_s for step in self.steps)
+
+    @property
+    def busy_s(self) -> float:
+        """Time the sandbox spends executing commands."""
+        return sum(step.exec_s for step in self.steps)
+
+
+def load_trace(path: str | Path) -> list[Episode]:
+    """Read and validate a trace; episodes come back sorted by arrival (ties in file order)."""
+    try:
+        with open(path, "rb") as file:
+            lines = file.read().splitlines()
+    except OSError as error:
+        raise TraceError(path, None, f"cannot read trace: {error.strerror}") from error
+    episodes: list[Episode] = []
+    line_of: dict[str, int] = {}
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            episode = Episode.model_validate_json(line)
+        except ValidationError as error:
+            raise TraceError.from_validation(path, number, error) from None
+        first = line_of.get(episode.episode)
+        if first is not None:
+            raise TraceError(
+                path, number, f"duplicate episode id {episode.episode!r} (first on line {first})"
+            )
+        line_of[episode.episode] = number
+        episodes.append(episode)
+    if not episodes:
+        raise TraceError(path, None, "trace has no episodes")
+    episodes.sort(key=lambda episode: episode.arrival_s)
+    return episodes
+
+
+def dump_trace(episodes: Iterable[Episode], path: str | Path) -> None:
+    """Write episodes as JSON Lines, every field explicit."""
+    with open(path, "w", encoding="utf-8") as file:
+        for episode in episodes:
+            file.write(episode.model_dump_json())
+            file.write("\n")
+
+
+def scale_trace(episodes: Iterable[Episode], factor: float) -> list[Episode]:
+    """Multiply every time (arrivals, think and exec) by ``factor``; < 1 compresses the trace."""
+    if not (math.isfinite(factor) and factor > 0):
+        raise ValueError(f"time scale must be a finite number > 0, got {factor!r}")
+    return [
+        Episode(
+            **episode.model_dump(exclude={"arrival_s", "steps"}),
+            arrival_s=episode.arrival_s * factor,
+            steps=[
+                Step(think_s=step.think_s * factor, exec_s=step.exec_s * factor)
+                for step in episode.steps
+            ],
+        )
+        for episode in episodes
+    ]
