@@ -14,13 +14,14 @@ import asyncio
 import contextlib
 import logging
 import secrets
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 
 from controlplane.config import ControlPlaneConfig
 from controlplane.gateway import AgentGateway, CallResult
 from controlplane.metrics import ControlPlaneMetrics
 from controlplane.queue import PendingRequest, RequestQueues
-from controlplane.view import ClusterView, SandboxEntry
+from controlplane.view import TOMBSTONES, ClusterView, SandboxEntry
 from dsec.clock import Clock
 from dsec.httpkit import ApiError
 from dsec.models import (
@@ -61,6 +62,8 @@ class Scheduler:
         self.requests: dict[str, PendingRequest] = {}
         # idempotency key -> the waiting request, or the id of the sandbox it got
         self.by_key: dict[str, PendingRequest | str] = {}
+        # keys whose sandbox was released: reusing one is refused, not a fresh sandbox
+        self.spent_keys: OrderedDict[str, str] = OrderedDict()
         self.wakeup = asyncio.Event()
         self.tasks: set[asyncio.Task] = set()
         self.ops: dict[str, asyncio.Task] = {}  # the side effect in flight, per sandbox
@@ -362,6 +365,12 @@ class Scheduler:
                 [{"loc": "template", "msg": f"known: {sorted(self.config.templates)}"}],
             )
         key = body.idempotency_key
+        if key is not None and key in self.spent_keys:
+            raise ApiError(
+                409,
+                "idempotency_key_spent",
+                f"idempotency key {key!r} belonged to sandbox {self.spent_keys[key]}, now released",
+            )
         if key is not None and key in self.by_key:
             return await self._acquire_again(key, body.timeout_s)
         req = PendingRequest(
@@ -441,6 +450,9 @@ class Scheduler:
         self.metrics.episodes.labels(entry.pool).inc()
         if entry.idempotency_key:
             self.by_key.pop(entry.idempotency_key, None)
+            self.spent_keys[entry.idempotency_key] = entry.id
+            while len(self.spent_keys) > TOMBSTONES:
+                self.spent_keys.popitem(last=False)
         if (in_flight := self.ops.get(sandbox_id)) is not None:
             await asyncio.shield(in_flight)  # a pause or thaw under way finishes first
         task = self._destroy(entry, self.clock.now(), action="release")

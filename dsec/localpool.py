@@ -48,6 +48,7 @@ class LocalPoolSpec:
 @dataclass
 class Child:
     name: str
+    args: list[str]
     proc: asyncio.subprocess.Process
     url: str = ""
     drain: asyncio.Task | None = None
@@ -150,7 +151,7 @@ class LocalPool:
             env={**os.environ, **self.tokens.env()},
             start_new_session=True,  # Ctrl-C reaches us alone; we stop the children in order
         )  # fmt: skip
-        child = Child(name, proc)
+        child = Child(name, args, proc)
         assert proc.stdout is not None
         try:
             line = await asyncio.wait_for(proc.stdout.readline(), READY_TIMEOUT_S)
@@ -187,6 +188,15 @@ class LocalPool:
             "env_file": str(self.env_file),
             "nodes": [{"node_id": a.name, "url": a.url} for a in self.agents],
         }
+
+    async def restart_agent(self, child: Child) -> Child:
+        """Start an agent again on the address it had (after it stopped or was killed)."""
+        await self._stop_child(child)
+        args = list(child.args)
+        args[args.index("--port") + 1] = child.url.rsplit(":", 1)[1]
+        fresh = await self._spawn(child.name, args)
+        self.agents[self.agents.index(child)] = fresh
+        return fresh
 
     async def wait(self, stop: asyncio.Event) -> str:
         """Until `stop` is set or a child dies; returns why."""

@@ -1,0 +1,84 @@
+"""Fixtures: a real Docker engine and real local pools (processes on loopback).
+
+Every pool a test starts is named `test-...`, and the session ends by checking that
+no container of such a pool is left behind.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import docker
+import pytest
+import pytest_asyncio
+
+from agent.docker_driver import LABEL_NODE
+from dsec.client import Client
+from dsec.image import ensure_base_image
+from dsec.localpool import LocalPool, LocalPoolSpec
+from dsec.models import Capacity, PoolParams
+
+TEST_POOL_PREFIX = "test-"
+
+
+def pool_containers(client: docker.DockerClient, prefix: str = TEST_POOL_PREFIX) -> list:
+    return [
+        c
+        for c in client.containers.list(all=True, filters={"label": LABEL_NODE})
+        if c.labels.get(LABEL_NODE, "").startswith(prefix)
+    ]
+
+
+@pytest.fixture(scope="session")
+def docker_client() -> Iterator[docker.DockerClient]:
+    try:
+        client = docker.from_env()
+        client.ping()
+    except docker.errors.DockerException as e:
+        pytest.fail(f"these tests need a running Docker engine (.ci/run starts one): {e}")
+    ensure_base_image(client)
+    yield client
+    left = pool_containers(client)
+    for c in left:
+        c.remove(force=True)
+    assert not left, f"tests left containers behind: {[c.name for c in left]}"
+
+
+def make_spec(state_dir: Path, **overrides) -> LocalPoolSpec:
+    spec = LocalPoolSpec(
+        name=f"{TEST_POOL_PREFIX}{uuid.uuid4().hex[:6]}",
+        nodes=3,
+        port=0,
+        capacity=Capacity(cpus=32, memory_mb=65536, slots=40),
+        pool=PoolParams(min_warm=2),
+        state_dir=state_dir,
+        heartbeat_s=0.5,
+    )
+    for key, value in overrides.items():
+        setattr(spec, key, value)
+    return spec
+
+
+async def started_pool(spec: LocalPoolSpec, docker_client) -> AsyncIterator[LocalPool]:
+    pool = LocalPool(spec)
+    try:
+        await pool.start()
+        yield pool
+    finally:
+        swept = await pool.stop()
+    assert swept == 0, "the agents should have removed their own sandboxes on exit"
+    assert not pool_containers(docker_client, spec.name + "-")
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def pool(docker_client, tmp_path_factory) -> AsyncIterator[LocalPool]:
+    async for p in started_pool(make_spec(tmp_path_factory.mktemp("pool")), docker_client):
+        yield p
+
+
+@pytest_asyncio.fixture(loop_scope="module")
+async def client(pool: LocalPool) -> AsyncIterator[Client]:
+    async with Client(pool.url, token=pool.tokens.client) as c:
+        yield c

@@ -1,0 +1,187 @@
+"""Bad input gets a 4xx with a JSON body saying what is wrong, and loses nothing."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+
+import aiohttp
+import pytest
+from conftest import pool_containers
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+
+async def call(method: str, url: str, token: str | None, data=None, json=None):
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    async with aiohttp.ClientSession() as http:
+        async with http.request(method, url, headers=headers, data=data, json=json) as resp:
+            body = await resp.json(content_type=None)
+            return resp.status, body
+
+
+def assert_error(status: int, body: dict, expected_status: int, code: str) -> None:
+    assert status == expected_status, body
+    assert body["error"]["code"] == code, body
+    assert body["error"]["message"]
+
+
+@pytest.fixture
+def acquire_url(pool) -> str:
+    return f"{pool.url}/v1/sandboxes"
+
+
+@pytest.mark.parametrize(
+    ("payload", "status", "code", "field"),
+    [
+        (b"{not json", 400, "malformed_json", None),
+        (b"[1, 2]", 400, "malformed_json", None),
+        (b'{"pool": "nope"}', 422, "unknown_pool", "pool"),
+        (b'{"template": "nope"}', 422, "unknown_template", "template"),
+        (b'{"timeout_s": -1}', 422, "validation_error", "timeout_s"),
+        (b'{"timeout_s": 1e12}', 422, "validation_error", "timeout_s"),
+        (b'{"timeout_s": "soon"}', 422, "validation_error", "timeout_s"),
+        (b'{"priority": 10000000}', 422, "validation_error", "priority"),
+        (b'{"colour": "blue"}', 422, "validation_error", "colour"),
+        (b'{"pool": "../etc"}', 422, "validation_error", "pool"),
+        (b'{"idempotency_key": "a b/c"}', 422, "validation_error", "idempotency_key"),
+    ],
+)
+async def test_bad_acquire_bodies(pool, acquire_url, payload, status, code, field):
+    got, body = await call("POST", acquire_url, pool.tokens.client, data=payload)
+    assert_error(got, body, status, code)
+    if field:
+        details = body["error"].get("details") or []
+        assert any(field in d["loc"] for d in details), body
+
+
+async def test_oversize_body(pool, acquire_url):
+    got, body = await call("POST", acquire_url, pool.tokens.client, data=b"x" * (2 << 20))
+    assert_error(got, body, 413, "body_too_large")
+
+
+@pytest.mark.parametrize(
+    "sandbox_id", ["..%2F..%2Fetc", "a.b", "UPPER.0123456789abcdef", "x" * 300, "%00"]
+)
+async def test_sandbox_ids_with_path_characters(pool, sandbox_id):
+    got, body = await call("GET", f"{pool.url}/v1/sandboxes/{sandbox_id}", pool.tokens.client)
+    assert_error(got, body, 400, "invalid_sandbox_id")
+    got, body = await call("DELETE", f"{pool.url}/v1/sandboxes/{sandbox_id}", pool.tokens.client)
+    assert_error(got, body, 400, "invalid_sandbox_id")
+
+
+async def test_unknown_routes_and_methods_answer_json(pool):
+    got, body = await call("GET", f"{pool.url}/v1/nothing", pool.tokens.client)
+    assert_error(got, body, 404, "not_found")
+    got, body = await call("PATCH", f"{pool.url}/v1/sandboxes", pool.tokens.client)
+    assert_error(got, body, 405, "method_not_allowed")
+
+
+async def test_credentials_are_required(pool, acquire_url):
+    got, body = await call("POST", acquire_url, None, json={})
+    assert_error(got, body, 401, "unauthenticated")
+    got, body = await call("POST", acquire_url, "wrong", json={})
+    assert_error(got, body, 403, "forbidden")
+    # a client token cannot change a pool's parameters
+    got, body = await call("PUT", f"{pool.url}/v1/pools/default", pool.tokens.client, json={})
+    assert_error(got, body, 403, "forbidden")
+
+
+async def test_bad_pool_parameters_change_nothing(pool):
+    url = f"{pool.url}/v1/pools/default"
+    _, before = await call("GET", f"{pool.url}/v1/pools", pool.tokens.admin)
+    for params in (
+        {"min_warm": -1},
+        {"min_warm": 10, "max_warm": 5},
+        {"templates": ["nope"]},
+        {"freeze_after_s": "later"},
+        {"overflow_threshold": 1.5},
+    ):
+        got, body = await call("PUT", url, pool.tokens.admin, json=params)
+        assert 400 <= got < 500 and body["error"]["message"], (params, body)
+    _, after = await call("GET", f"{pool.url}/v1/pools", pool.tokens.admin)
+    assert after == before or [p["params"] for p in after["pools"]] == [
+        p["params"] for p in before["pools"]
+    ]
+
+
+async def test_exec_bad_input_and_released_sandbox(pool, client, docker_client):
+    sb = await client.acquire()
+    url = f"{sb.lease.agent_url}/v1/sandboxes/{sb.id}/exec"
+    token = sb.lease.lease_token
+    for payload, field in [
+        ({"cmd": "echo hi"}, "cmd"),
+        ({"cmd": ["echo", 1]}, "cmd"),
+        ({"cmd": []}, "cmd"),
+        ({"cmd": ["true"], "timeout_s": 0}, "timeout_s"),
+        ({"cmd": ["true"], "max_output_bytes": -5}, "max_output_bytes"),
+        ({"cmd": ["true"], "shell": True}, "shell"),
+    ]:
+        got, body = await call("POST", url, token, json=payload)
+        assert_error(got, body, 422, "validation_error")
+        assert any(field in d["loc"] for d in body["error"]["details"]), body
+    got, body = await call("POST", url, None, json={"cmd": ["true"]})
+    assert_error(got, body, 401, "unauthenticated")
+    got, body = await call("POST", url, pool.tokens.client, json={"cmd": ["true"]})
+    assert_error(got, body, 403, "forbidden")
+    got, body = await call("POST", url, token, data=b"{")
+    assert_error(got, body, 400, "malformed_json")
+    # the sandbox still works after all that
+    assert (await sb.exec(["echo", "ok"])).stdout == "ok\n"
+
+    await sb.release()
+    got, body = await call("POST", url, token, json={"cmd": ["true"]})
+    assert_error(got, body, 410, "released")
+    got, body = await call("DELETE", f"{pool.url}/v1/sandboxes/{sb.id}", pool.tokens.client)
+    assert_error(got, body, 409, "already_released")
+    got, body = await call("GET", f"{pool.url}/v1/sandboxes/{sb.id}", pool.tokens.client)
+    assert_error(got, body, 410, "released")
+    unknown = f"{pool.node_ids[0]}.0123456789abcdef"
+    got, body = await call("DELETE", f"{pool.url}/v1/sandboxes/{unknown}", pool.tokens.client)
+    assert_error(got, body, 404, "unknown_sandbox")
+
+
+async def test_bad_input_leaves_no_container_behind(pool, client, docker_client, acquire_url):
+    async def settled_containers() -> set[str]:
+        for _ in range(200):  # wait out warm-pool refills from earlier tests
+            if not any(s.state == "creating" for s in await client.list()):
+                break
+            await asyncio.sleep(0.05)
+        return {c.labels["dsec.sandbox"] for c in pool_containers(docker_client, pool.spec.name)}
+
+    before = await settled_containers()
+    for payload in (b"{", b'{"pool": "nope"}', b'{"timeout_s": -1}', b'{"template": "x"}'):
+        got, _ = await call("POST", acquire_url, pool.tokens.client, data=payload)
+        assert 400 <= got < 500
+    await asyncio.sleep(2 * pool.spec.tick_s)  # let the policy run on whatever it saw
+    assert await settled_containers() == before
+
+
+@pytest.mark.parametrize(
+    ("argv", "extra_env", "message"),
+    [
+        (["up", "--nodes", "0"], {}, "--nodes"),
+        (["up", "--slots-per-node", "-3"], {}, "slots"),
+        (["plan", "--acceptance", "2"], {}, "acceptance"),
+        (["status", "--url", "http://127.0.0.1:9"], {}, "DSEC_ADMIN_TOKEN"),
+        (["agent", "--node-id", "n1"], {}, "DSEC_AGENT_TOKEN"),
+        (["agent", "--node-id", "Bad Id!"], {"DSEC_AGENT_TOKEN": "x" * 32}, "node_id"),
+        (
+            ["controlplane", "--config", "/nonexistent.json"],
+            {"DSEC_ADMIN_TOKEN": "a", "DSEC_AGENT_TOKEN": "x" * 32},
+            "cannot read config",
+        ),
+    ],
+)
+async def test_cli_says_what_is_wrong(argv, extra_env, message):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DSEC_")} | extra_env
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "dsec.cli", *argv, env=env,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    out, err = await proc.communicate()
+    assert proc.returncode == 2, (out, err)
+    text = err.decode()
+    assert message in text and "Traceback" not in text
+    assert len(text.strip().splitlines()) == 1
