@@ -42,6 +42,7 @@ DEFAULT_EXEC_SHARE = 0.3
 # How much single steps scatter around exec_share: Beta(k * share, k * (1 - share)).
 _EXEC_SHARE_CONCENTRATION = 5.0
 
+
 def split_lifetime(
     rng: random.Random, lifetime_s: float, mean_step_s: float, exec_share: float
 ) -> list[Step]:

@@ -161,6 +161,9 @@ class PoolParams(Wire):
     frozen_ttl_s: float = Field(300.0, gt=0, le=7 * 86_400)
     lease_idle_freeze_s: float = Field(600.0, gt=0, le=7 * 86_400)
     overflow_threshold: float = Field(0.8, gt=0, le=1)
+    refill_concurrency: int = Field(
+        2, ge=1, le=10_000, description="warm-pool creates in flight at once, per template"
+    )
     templates: list[Name] = Field(
         default_factory=lambda: ["base"], max_length=64, description="templates kept warm"
     )

@@ -267,7 +267,11 @@ def decide(snapshot: Snapshot, pools: Mapping[str, PoolParams], now: float) -> l
                 continue
             key = (pool_name, template_name)
             have = len(warm.get(key, [])) + creating_unreserved.get(key, 0)
-            for i in range(max(0, params.min_warm - have)):
+            # paced: the engine serialises creates, so more in flight only steals CPU
+            # from the acquires the warm pool is there to serve
+            in_flight = creating_unreserved.get(key, 0)
+            missing = min(params.min_warm - have, params.refill_concurrency - in_flight)
+            for i in range(max(0, missing)):
                 node = place(
                     placement,
                     template,
