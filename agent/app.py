@@ -66,6 +66,12 @@ from dsec.tokens import lease_token
 
 log = logging.getLogger(__name__)
 TOMBSTONES = 100_000  # released ids remembered, so late calls get "released", not "unknown"
+HIBERNATED_REPOSITORY = "dsec-hibernated"
+
+
+def _write_file(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)
 
 
 class AgentConfig(BaseModel):
@@ -90,7 +96,13 @@ class Sandbox:
     last_active: float
     busy_s: float = 0.0
     running_execs: int = 0
+    frozen_at: float | None = None  # set when paused, kept through hibernation
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    @property
+    def occupies(self) -> bool:
+        """Hibernated sandboxes hold disk only: no slot, CPU or memory."""
+        return self.state != SandboxState.HIBERNATED
 
     def move(self, target: SandboxState) -> None:
         self.state = transition(self.state, target)
@@ -110,6 +122,7 @@ class Sandbox:
             memory_mb=self.spec.memory_mb,
             busy_s=self.busy_s,
             idle_s=0.0 if self.running_execs else max(0.0, now - self.last_active),
+            frozen_s=None if self.frozen_at is None else max(0.0, now - self.frozen_at),
         )
 
 
@@ -122,6 +135,7 @@ class Agent:
         self.clock = clock
         self.metrics = metrics
         self.store = SandboxStore(config.state_dir / f"{config.node_id}.sqlite")
+        self.hibernated_dir = config.state_dir / f"{config.node_id}-hibernated"
         self.sandboxes: dict[str, Sandbox] = {}
         self.released: OrderedDict[str, None] = OrderedDict()
         self.images: list[str] = []
@@ -136,7 +150,7 @@ class Agent:
     # --- capacity -----------------------------------------------------------
 
     def usage(self) -> Usage:
-        live = list(self.sandboxes.values())
+        live = [s for s in self.sandboxes.values() if s.occupies]
         return Usage(
             cpus=round(sum(s.spec.cpus for s in live), 6),
             memory_mb=sum(s.spec.memory_mb for s in live),
@@ -237,6 +251,10 @@ class Agent:
                 raise ApiError(409, "already_leased", f"sandbox {sandbox_id} is leased already")
             if sandbox.state == SandboxState.PAUSED:
                 await self._docker_or_502(self.docker.unpause(sandbox.record.container_id))
+            elif sandbox.state == SandboxState.HIBERNATED:
+                await self._restore_locked(sandbox)
+            sandbox.frozen_at = None
+            sandbox.record.pool = grant.pool
             sandbox.record.lease_id = grant.lease_id
             sandbox.record.idempotency_key = grant.idempotency_key
             sandbox.record.labels = dict(grant.labels)
@@ -258,7 +276,62 @@ class Agent:
                 raise ApiError(409, "busy", f"sandbox {sandbox_id} is running a command")
             await self._docker_or_502(self.docker.pause(sandbox.record.container_id))
             sandbox.move(target)
+            sandbox.frozen_at = self.clock.now()
             return sandbox
+
+    async def hibernate(self, sandbox_id: str) -> Sandbox:
+        """Keep a frozen sandbox's files (image + work dir archive) and free its memory."""
+        sandbox = self.get(sandbox_id)
+        async with sandbox.lock:
+            if sandbox.state == SandboxState.HIBERNATED:
+                return sandbox
+            if sandbox.state != SandboxState.PAUSED:
+                raise ApiError(
+                    409, "not_paused", f"only a paused sandbox hibernates ({sandbox.state})"
+                )
+            record, spec = sandbox.record, sandbox.spec
+            cid = record.container_id
+            await self._docker_or_502(self.docker.unpause(cid))  # tar runs inside it
+            try:
+                archive = await self.docker.archive_dir(cid, spec.workdir, spec.workdir_mb << 20)
+                image = await self.docker.commit(cid, HIBERNATED_REPOSITORY, sandbox_id)
+            except DockerOpError as e:
+                self.metrics.docker_error(e.op, e.kind)
+                with contextlib.suppress(DockerOpError):
+                    await self.docker.pause(cid)
+                raise ApiError(502, f"docker_{e.kind}", str(e)) from e
+            path = self.hibernated_dir / f"{sandbox_id}.tar"
+            await asyncio.to_thread(_write_file, path, archive)
+            await self._docker_or_502(self.docker.remove(cid))
+            record.container_id, record.hibernated_image = "", image
+            record.archive_path = str(path)
+            await self.store.put(record)
+            sandbox.move(SandboxState.HIBERNATED)
+            return sandbox
+
+    async def _restore_locked(self, sandbox: Sandbox) -> None:
+        record, spec = sandbox.record, sandbox.spec
+        if not self.has_room_for(spec):
+            raise ApiError(409, "no_capacity", f"no room to restore {record.id} on this node")
+        assert record.hibernated_image and record.archive_path
+        archive = await asyncio.to_thread(Path(record.archive_path).read_bytes)
+        spec_from_snapshot = spec.model_copy(update={"image": record.hibernated_image})
+        try:
+            record.container_id = await self.docker.create(
+                f"dsec-{record.id}",
+                spec_from_snapshot,
+                self.labels_for(record.id, record.pool, spec.name),
+            )
+            await self.docker.restore_dir(record.container_id, spec.workdir, archive)
+        except DockerOpError as e:
+            self.metrics.docker_error(e.op, e.kind)
+            if record.container_id:
+                with contextlib.suppress(DockerOpError):
+                    await self.docker.remove(record.container_id)
+                record.container_id = ""
+            raise ApiError(502, f"docker_{e.kind}", str(e)) from e
+        await asyncio.to_thread(Path(record.archive_path).unlink, True)
+        record.archive_path = None  # the image stays until the sandbox is destroyed
 
     async def unpause(self, sandbox_id: str) -> Sandbox:
         sandbox = self.get(sandbox_id)
@@ -275,6 +348,7 @@ class Agent:
             return
         await self._docker_or_502(self.docker.unpause(sandbox.record.container_id))
         sandbox.move(target)
+        sandbox.frozen_at = None
         sandbox.last_active = self.clock.now()
 
     async def destroy(self, sandbox_id: str) -> None:
@@ -286,7 +360,13 @@ class Agent:
             if sandbox_id not in self.sandboxes:
                 return  # removed while we waited for the lock
             sandbox.move(SandboxState.DESTROYING)
-            await self._docker_or_502(self.docker.remove(sandbox.record.container_id))
+            record = sandbox.record
+            if record.container_id:
+                await self._docker_or_502(self.docker.remove(record.container_id))
+            if record.hibernated_image:
+                await self._docker_or_502(self.docker.remove_image(record.hibernated_image))
+            if record.archive_path:
+                await asyncio.to_thread(Path(record.archive_path).unlink, True)
             await self.store.delete(sandbox_id)
             self.sandboxes.pop(sandbox_id, None)
             self._remember_released(sandbox_id)
@@ -368,8 +448,15 @@ class Agent:
             spec = TemplateSpec.model_validate(record.template)
             self.sandboxes[record.id] = Sandbox(record, spec, state, self.clock.now())
             log.info("adopted %s as %s", record.id, state)
-        for stale in records.values():  # recorded, but its container is gone
-            await self.store.delete(stale.id)
+        images = set(await self.docker.image_tags())
+        for record in records.values():
+            if record.hibernated_image in images and record.archive_path:
+                spec = TemplateSpec.model_validate(record.template)
+                sandbox = Sandbox(record, spec, SandboxState.HIBERNATED, self.clock.now())
+                sandbox.frozen_at = self.clock.now()
+                self.sandboxes[record.id] = sandbox
+                continue
+            await self.store.delete(record.id)  # recorded, but its container is gone
 
     async def heartbeat_forever(self) -> None:
         assert self.config.controlplane_url
@@ -436,6 +523,12 @@ async def lease_sandbox(request: web.Request) -> web.Response:
 async def pause_sandbox(request: web.Request) -> web.Response:
     agent = _control_plane_only(request)
     sandbox = await agent.pause(sandbox_id_param(request))
+    return model_response(sandbox.report(agent.clock.now()))
+
+
+async def hibernate_sandbox(request: web.Request) -> web.Response:
+    agent = _control_plane_only(request)
+    sandbox = await agent.hibernate(sandbox_id_param(request))
     return model_response(sandbox.report(agent.clock.now()))
 
 
@@ -520,6 +613,13 @@ def agent_api() -> Api:
         pause_sandbox,
         answer=SandboxReport,
         summary="freeze a sandbox (control plane only)",
+    )
+    api.route(
+        "POST",
+        "/v1/sandboxes/{sandbox_id}/hibernate",
+        hibernate_sandbox,
+        answer=SandboxReport,
+        summary="keep a paused sandbox's files, release its memory (control plane only)",
     )
     api.route(
         "POST",

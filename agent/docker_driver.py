@@ -132,6 +132,49 @@ class DockerDriver:
         except NotFound:
             pass  # already gone: removing is idempotent
 
+    def commit(self, container_id: str, repository: str, tag: str) -> str:
+        self.api.commit(container_id, repository=repository, tag=tag, pause=False)
+        return f"{repository}:{tag}"
+
+    def remove_image(self, ref: str) -> None:
+        try:
+            self.api.remove_image(ref, force=True)
+        except NotFound:
+            pass
+
+    def archive_dir(self, container_id: str, path: str, cap: int) -> bytes:
+        """A tar of `path` inside the container, read through an exec.
+
+        `docker cp` cannot see a tmpfs mount, which is where a sandbox's work dir lives.
+        """
+        exec_id = self.exec_create(container_id, ["tar", "-C", path, "-cf", "-", "."], {}, None)
+        out, err, truncated = self.exec_stream(exec_id, cap, lambda _: None)
+        code = self.exec_exit_code(exec_id)
+        if code != 0 or truncated:
+            raise DockerException(
+                f"archiving {path} failed ({code}, truncated={truncated}): {err!r}"
+            )
+        return out
+
+    def restore_dir(self, container_id: str, path: str, archive: bytes) -> None:
+        """Unpack a tar made by archive_dir into `path`, through an exec's stdin."""
+        exec_id = self.api.exec_create(
+            container_id, ["tar", "-C", path, "-xf", "-"], stdin=True, stdout=True, stderr=True
+        )["Id"]
+        sock = self.api.exec_start(exec_id, socket=True)
+        raw = getattr(sock, "_sock", sock)
+        raw.settimeout(120)
+        try:
+            raw.sendall(archive)
+            raw.shutdown(socket.SHUT_WR)
+            err = b"".join(chunk for _, chunk in frames_iter(sock, tty=False))
+        finally:
+            with contextlib.suppress(OSError):
+                sock.close()
+        code = self.exec_exit_code(exec_id)
+        if code != 0:
+            raise DockerException(f"restoring {path} failed ({code}): {err!r}")
+
     def list_labelled(self, node_id: str) -> list[ContainerSummary]:
         rows = self.api.containers(all=True, filters={"label": f"{LABEL_NODE}={node_id}"})
         return [ContainerSummary(r["Id"], r["State"], r.get("Labels") or {}) for r in rows]
@@ -251,6 +294,18 @@ class AsyncDocker:
 
     async def remove(self, container_id: str) -> None:
         await self.call("remove", self.driver.remove, container_id)
+
+    async def commit(self, container_id: str, repository: str, tag: str) -> str:
+        return await self.call("commit", self.driver.commit, container_id, repository, tag)
+
+    async def remove_image(self, ref: str) -> None:
+        await self.call("remove_image", self.driver.remove_image, ref)
+
+    async def archive_dir(self, container_id: str, path: str, cap: int) -> bytes:
+        return await self.call("archive", self.driver.archive_dir, container_id, path, cap)
+
+    async def restore_dir(self, container_id: str, path: str, archive: bytes) -> None:
+        await self.call("restore", self.driver.restore_dir, container_id, path, archive)
 
     async def list_labelled(self, node_id: str) -> list[ContainerSummary]:
         return await self.call("list", self.driver.list_labelled, node_id)

@@ -1,8 +1,11 @@
-"""The agent's Prometheus metrics, in a registry of its own (one per app)."""
+"""The agent's Prometheus metrics, in a registry of its own (one per app).
+
+Label values are bounded: the node, Docker operations and error kinds, never sandbox ids.
+"""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 
 # 1 ms to 60 s: a pause is ~10 ms, a cold create ~200 ms, a command may run a minute.
 LATENCY_BUCKETS = (
@@ -28,6 +31,7 @@ class AgentMetrics:
     def __init__(self, node_id: str) -> None:
         self.node_id = node_id
         self.registry = CollectorRegistry()
+        ProcessCollector(registry=self.registry)  # CPU, memory, open files of this agent
         self.docker_op = Histogram(
             "dsec_agent_docker_op_seconds",
             "Docker operations run by the agent",

@@ -32,6 +32,9 @@ class SandboxRecord:
     lease_id: str | None = None
     idempotency_key: str | None = None
     labels: dict[str, str] = field(default_factory=dict)
+    # set while hibernated: the committed image and the archive of the work dir
+    hibernated_image: str | None = None
+    archive_path: str | None = None
 
 
 class SandboxStore:

@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from controlplane.cloud import CloudProvider
 from controlplane.config import ControlPlaneConfig
 from controlplane.gateway import AgentGateway
 from controlplane.metrics import ControlPlaneMetrics, ViewCollector
@@ -238,12 +239,14 @@ def controlplane_api() -> Api:
     return api
 
 
-def create_controlplane_app(config: ControlPlaneConfig, clock: Clock) -> web.Application:
+def create_controlplane_app(
+    config: ControlPlaneConfig, clock: Clock, cloud: CloudProvider | None = None
+) -> web.Application:
     metrics_ = ControlPlaneMetrics()
     view = ClusterView(confirm_grace_s=2 * config.heartbeat_timeout_s)
     queues = RequestQueues()
     gateway = AgentGateway(config.agent_token)
-    scheduler = Scheduler(config, view, queues, gateway, clock, metrics_)
+    scheduler = Scheduler(config, view, queues, gateway, clock, metrics_, cloud)
     metrics_.watch(ViewCollector(view, queues, lambda: list(config.pools), clock.now))
     app = new_app(controlplane_api())
     app[SCHEDULER] = scheduler
@@ -255,6 +258,8 @@ def create_controlplane_app(config: ControlPlaneConfig, clock: Clock) -> web.App
         loop.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await loop
+        if cloud is not None:
+            await cloud.close()
         await scheduler.drain()
         await gateway.close()
 

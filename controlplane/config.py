@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from controlplane.cloud import CloudConfig
 from dsec.image import BASE_IMAGE
 from dsec.models import Name, PoolParams, TemplateSpec
 
@@ -24,6 +25,11 @@ class ControlPlaneConfig(BaseModel):
     templates: dict[Name, TemplateSpec] = Field(default_factory=default_templates)
     tick_s: float = Field(0.25, gt=0, le=60, description="the policy also runs on every event")
     heartbeat_timeout_s: float = Field(5.0, gt=0, le=3600)
+    refusal_cooldown_s: float = Field(
+        5.0, ge=0, le=3600, description="no placements on a node this long after it refused one"
+    )
+    peak_window_s: float = Field(600.0, gt=0, le=86_400, description="'recent' in recent peak")
+    cloud: CloudConfig | None = None
 
     @model_validator(mode="after")
     def _consistent(self) -> ControlPlaneConfig:

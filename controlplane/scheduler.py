@@ -17,6 +17,7 @@ import secrets
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 
+from controlplane.cloud import CloudProvider
 from controlplane.config import ControlPlaneConfig
 from controlplane.gateway import AgentGateway, CallResult
 from controlplane.metrics import ControlPlaneMetrics
@@ -33,7 +34,22 @@ from dsec.models import (
     PoolParams,
     SandboxInfo,
 )
-from dsec.policy import Action, Claim, Create, Destroy, Pause, RequestSnap, Snapshot, TemplateSnap
+from dsec.peaks import PeakTracker
+from dsec.policy import (
+    Action,
+    Claim,
+    CloudSnap,
+    Create,
+    Destroy,
+    Hibernate,
+    Pause,
+    ProvisionCloud,
+    ReleaseCloud,
+    RequestSnap,
+    Snapshot,
+    TemplateSnap,
+    Thaw,
+)
 from dsec.policy import decide as policy_decide
 from dsec.states import ASSIGNED, OCCUPYING, SandboxState
 from dsec.tokens import lease_token, new_lease_id
@@ -50,6 +66,7 @@ class Scheduler:
         gateway: AgentGateway,
         clock: Clock,
         metrics: ControlPlaneMetrics,
+        cloud: CloudProvider | None = None,
         decide: Callable[..., list[Action]] = policy_decide,
     ) -> None:
         self.config = config
@@ -59,6 +76,8 @@ class Scheduler:
         self.clock = clock
         self.metrics = metrics
         self.decide = decide
+        self.cloud = cloud
+        self.peaks = PeakTracker(config.peak_window_s)
         self.requests: dict[str, PendingRequest] = {}
         # idempotency key -> the waiting request, or the id of the sandbox it got
         self.by_key: dict[str, PendingRequest | str] = {}
@@ -67,6 +86,7 @@ class Scheduler:
         self.wakeup = asyncio.Event()
         self.tasks: set[asyncio.Task] = set()
         self.ops: dict[str, asyncio.Task] = {}  # the side effect in flight, per sandbox
+        self.reservations: dict[str, str] = {}  # request id -> the sandbox created for it
         self.ticks = 0
         self.alive_accounted_at = clock.now()
 
@@ -89,13 +109,30 @@ class Scheduler:
         now = self.clock.now()
         self.ticks += 1
         self._account_alive(now)
+        self._observe_demand(now)
         for node in self.view.mark_silent_nodes(now, self.config.heartbeat_timeout_s):
             log.warning("node %s missed heartbeats: out of placement", node.id)
         self._retry_destroys()
-        actions = self.decide(self.snapshot(), self.config.pools, now)
+        actions = self.decide(self.snapshot(now), self.config.pools, now)
         self.apply(actions, now)
 
-    def snapshot(self) -> Snapshot:
+    def _observe_demand(self, now: float) -> None:
+        """Concurrency per (pool, template), leased plus waiting: the peak sizes warm pools."""
+        demand: dict[tuple[str, str], int] = {}
+        for entry in self.view.sandboxes.values():
+            if entry.state in ASSIGNED:
+                demand[(entry.pool, entry.template)] = (
+                    demand.get((entry.pool, entry.template), 0) + 1
+                )
+        for req in self.queues.waiting():
+            demand[(req.pool, req.template)] = demand.get((req.pool, req.template), 0) + 1
+        for pool, params in self.config.pools.items():
+            for template in params.templates:
+                demand.setdefault((pool, template), 0)
+        for key, n in demand.items():
+            self.peaks.observe(key, n, now)
+
+    def snapshot(self, now: float) -> Snapshot:
         templates = {
             name: TemplateSnap(name, t.image, t.cpus, t.memory_mb, t.may_overflow)
             for name, t in self.config.templates.items()
@@ -104,11 +141,20 @@ class Scheduler:
             RequestSnap(r.id, r.pool, r.template, r.priority, r.arrived_at, frozenset(r.refused_by))
             for r in self.queues.waiting()
         )
+        cloud = None
+        if self.cloud is not None:
+            cloud = CloudSnap(
+                max_nodes=self.cloud.max_nodes,
+                booting=self.cloud.booting(set(self.view.nodes)),
+                idle_release_s=self.cloud.idle_release_s,
+            )
         return Snapshot(
-            nodes=self.view.node_snaps(),
+            nodes=self.view.node_snaps(now),
             sandboxes=self.view.sandbox_snaps(),
             requests=requests,
             templates=templates,
+            peaks=self.peaks.peaks(now),
+            cloud=cloud,
             seed=self.ticks,
         )
 
@@ -123,10 +169,15 @@ class Scheduler:
                     entry = self.view.sandboxes.get(action.sandbox_id)
                     if entry is not None:
                         self._destroy(entry, now, action="destroy")
-                case Pause():
+                case Pause() | Thaw() | Hibernate():
                     entry = self.view.sandboxes.get(action.sandbox_id)
                     if entry is not None:
-                        self._pause(entry, now)
+                        self._freeze_or_thaw(action, entry)
+                case ProvisionCloud():
+                    for _ in range(action.count):
+                        self._provision_cloud()
+                case ReleaseCloud():
+                    self._release_cloud(action.node)
 
     def _spawn(self, entry: SandboxEntry, coro: Awaitable[None]) -> asyncio.Task:
         entry.op_in_flight = True
@@ -145,12 +196,16 @@ class Scheduler:
     def _account_alive(self, now: float) -> None:
         elapsed = now - self.alive_accounted_at
         self.alive_accounted_at = now
-        per_pool: dict[str, int] = {}
+        alive: dict[tuple[str, str], int] = {}
         for entry in self.view.sandboxes.values():
             if entry.state in OCCUPYING:
-                per_pool[entry.pool] = per_pool.get(entry.pool, 0) + 1
-        for pool, n in per_pool.items():
+                node = self.view.nodes.get(entry.node)
+                key = (entry.pool, node.kind if node else "local")
+                alive[key] = alive.get(key, 0) + 1
+        for (pool, kind), n in alive.items():
             self.metrics.alive_seconds.labels(pool).inc(n * elapsed)
+            # cloud sandbox-seconds cost more: counted apart
+            self.metrics.sandbox_node_seconds.labels(pool, kind).inc(n * elapsed)
 
     # --- applying actions ---------------------------------------------------------
 
@@ -175,6 +230,8 @@ class Scheduler:
             reserved_for=action.for_request,
         )
         self.view.sandboxes[entry.id] = entry
+        if action.for_request is not None:
+            self.reservations[action.for_request] = entry.id
         kind = "overflow" if node.kind == "cloud" else "create"
         self.metrics.scale_events.labels(action.pool, kind).inc()
         body = CreateSandbox(
@@ -199,6 +256,10 @@ class Scheduler:
             self._call_failed(entry, "create", result)
             if entry.reserved_for and (req := self.requests.get(entry.reserved_for)):
                 req.refused_by.add(entry.node)  # the agent's refusal is final for that node
+            if result.refused and (node := self.view.nodes.get(entry.node)):
+                node.refused_until = now + self.config.refusal_cooldown_s
+            if entry.reserved_for:
+                self.reservations.pop(entry.reserved_for, None)
             entry.move(SandboxState.GONE, now)
             # no tombstone: if Docker did create it after all, the next heartbeat says so
             self.view.sandboxes.pop(entry.id, None)
@@ -210,6 +271,9 @@ class Scheduler:
         if req is None or entry is None or req.done.done():
             return
         entry.move(SandboxState.LEASED, now)
+        entry.pool = req.pool  # a higher-priority pool may have taken it over
+        entry.frozen_at = None
+        entry.idle_since = now
         entry.lease_id = new_lease_id()
         entry.idempotency_key = req.idempotency_key
         entry.labels = dict(req.labels)
@@ -219,6 +283,7 @@ class Scheduler:
             self.metrics.scale_events.labels(entry.pool, "thaw").inc()
         grant = LeaseGrant(
             lease_id=entry.lease_id,
+            pool=req.pool,
             idempotency_key=req.idempotency_key,
             labels=req.labels,
             request_id=req.id,
@@ -248,6 +313,7 @@ class Scheduler:
             return
         self.queues.remove(req)
         self.requests.pop(req.id, None)
+        self._unreserve(req)
         if req.idempotency_key:
             self.by_key[req.idempotency_key] = entry.id
         schedule_s = now - req.arrived_at
@@ -295,27 +361,72 @@ class Scheduler:
             ):
                 self._destroy(entry, now, action="destroy")
 
-    def _pause(self, entry: SandboxEntry, now: float) -> None:
-        target = {
-            SandboxState.WARM: SandboxState.PAUSED,
-            SandboxState.LEASED: SandboxState.LEASED_PAUSED,
-        }.get(entry.state)
-        if entry.op_in_flight or target is None:
+    def _freeze_or_thaw(self, action: Pause | Thaw | Hibernate, entry: SandboxEntry) -> None:
+        verb, metric, target = {
+            Pause: ("pause", "freeze", {
+                SandboxState.WARM: SandboxState.PAUSED,
+                SandboxState.LEASED: SandboxState.LEASED_PAUSED,
+            }),
+            Thaw: ("unpause", "thaw", {SandboxState.PAUSED: SandboxState.WARM}),
+            Hibernate: ("hibernate", "hibernate", {SandboxState.PAUSED: SandboxState.HIBERNATED}),
+        }[type(action)]  # fmt: skip
+        new_state = target.get(entry.state)
+        if entry.op_in_flight or new_state is None:
             return
-        url = f"{self._node_url(entry.node)}/v1/sandboxes/{entry.id}/pause"
+        url = f"{self._node_url(entry.node)}/v1/sandboxes/{entry.id}/{verb}"
 
         async def run() -> None:
             result = await self.gateway.call("POST", url, request_id=entry.id)
             entry.op_in_flight = False
+            now = self.clock.now()
             if result.ok:
-                entry.move(target, self.clock.now())
-                entry.confirmed_at = self.clock.now()
-                self.metrics.scale_events.labels(entry.pool, "freeze").inc()
+                entry.move(new_state, now)
+                entry.confirmed_at = now
+                if verb == "pause":
+                    entry.frozen_at = now
+                elif verb == "unpause":
+                    entry.frozen_at = None
+                self.metrics.scale_events.labels(entry.pool, metric).inc()
             else:
-                self._call_failed(entry, "pause", result)
+                self._call_failed(entry, verb, result)
             self.wake()
 
         self._spawn(entry, run())
+
+    def _provision_cloud(self) -> None:
+        if self.cloud is None:
+            return
+        cloud = self.cloud
+
+        async def run() -> None:
+            try:
+                node_id = await cloud.start_node()
+                log.info("provisioned cloud node %s", node_id)
+            except Exception as e:  # a provider failure is data for the next tick
+                log.warning("cloud provisioning failed: %s", e)
+
+        self._track(asyncio.ensure_future(run()))
+
+    def _release_cloud(self, node_id: str) -> None:
+        node = self.view.nodes.get(node_id)
+        if self.cloud is None or node is None or node.draining:
+            return
+        node.draining = True  # no placements while it goes
+        cloud = self.cloud
+
+        async def run() -> None:
+            await cloud.stop_node(node_id)
+            if any(e.node == node_id for e in self.view.sandboxes.values()):
+                node.draining = False  # something landed after all: keep it
+                return
+            self.view.nodes.pop(node_id, None)
+            log.info("released cloud node %s", node_id)
+
+        self._track(asyncio.ensure_future(run()))
+
+    def _track(self, task: asyncio.Task) -> None:
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
 
     def _call_failed(self, entry: SandboxEntry, op: str, result: CallResult) -> None:
         self.metrics.agent_call_errors.labels(entry.node, op, result.code).inc()
@@ -429,10 +540,15 @@ class Scheduler:
         self.requests.pop(req.id, None)
         if req.idempotency_key and self.by_key.get(req.idempotency_key) is req:
             del self.by_key[req.idempotency_key]
-        for entry in self.view.sandboxes.values():
-            if entry.reserved_for == req.id:
-                entry.reserved_for = None  # it joins the warm pool
+        self._unreserve(req)
         self.wake()
+
+    def _unreserve(self, req: PendingRequest) -> None:
+        """A request served or gone frees the sandbox created for it: it joins the warm pool."""
+        sandbox_id = self.reservations.pop(req.id, None)
+        entry = self.view.sandboxes.get(sandbox_id) if sandbox_id else None
+        if entry is not None and entry.reserved_for == req.id:
+            entry.reserved_for = None
 
     async def release(self, sandbox_id: str) -> SandboxEntry:
         entry = self.view.sandboxes.get(sandbox_id)

@@ -28,6 +28,9 @@ class NodeEntry:
     incarnation: str
     last_seen: float
     healthy: bool = True
+    refused_until: float = 0.0  # after a refusal, no placements here for a moment
+    empty_since: float | None = None  # since when it holds no sandbox at all
+    draining: bool = False  # being released: no placements
 
 
 @dataclass
@@ -48,6 +51,8 @@ class SandboxEntry:
     op_in_flight: bool = False
     confirmed_at: float = 0.0
     busy_s: float = 0.0
+    idle_since: float | None = None  # when its client last ran a command (from heartbeats)
+    frozen_at: float | None = None  # when it was first frozen
 
     def move(self, target: SandboxState, now: float) -> None:
         if target != self.state:
@@ -100,7 +105,8 @@ class ClusterView:
 
     def apply_report(self, report: NodeReport, now: float) -> ReportChanges:
         changes = ReportChanges()
-        self.nodes[report.node_id] = NodeEntry(
+        previous = self.nodes.get(report.node_id)
+        node = self.nodes[report.node_id] = NodeEntry(
             id=report.node_id,
             kind=report.kind,
             url=report.url,
@@ -111,6 +117,10 @@ class ClusterView:
             incarnation=report.incarnation,
             last_seen=now,
         )
+        if previous is not None:
+            node.refused_until = previous.refused_until
+            node.empty_since = previous.empty_since
+            node.draining = previous.draining
         reported = {s.id: s for s in report.sandboxes}
         for sb in reported.values():
             entry = self.sandboxes.get(sb.id)
@@ -125,11 +135,13 @@ class ClusterView:
             if delta:
                 changes.busy_s[entry.pool] = changes.busy_s.get(entry.pool, 0.0) + delta
             entry.busy_s = sb.busy_s
+            entry.idle_since = now - sb.idle_s
             if entry.op_in_flight or now - entry.confirmed_at < self.confirm_grace_s:
                 continue
             if entry.state != sb.state and sb.state != SandboxState.CREATING:
                 entry.move(sb.state, now)
                 entry.lease_id = sb.lease_id
+            entry.frozen_at = None if sb.frozen_s is None else now - sb.frozen_s
             entry.confirmed_at = now
         for entry in list(self.sandboxes.values()):
             if (
@@ -155,7 +167,7 @@ class ClusterView:
             pool=sb.pool,
             template=sb.template,
             state=sb.state,
-            since=now - sb.idle_s if sb.state in (SandboxState.WARM,) else now,
+            since=now - sb.idle_s if sb.state == SandboxState.WARM else now,
             created_at=sb.created_at,
             cpus=sb.cpus,
             memory_mb=sb.memory_mb,
@@ -164,6 +176,8 @@ class ClusterView:
             labels=dict(sb.labels),
             confirmed_at=now,
             busy_s=sb.busy_s,
+            idle_since=now - sb.idle_s,
+            frozen_at=None if sb.frozen_s is None else now - sb.frozen_s,
         )
 
     def mark_silent_nodes(self, now: float, timeout_s: float) -> list[NodeEntry]:
@@ -179,19 +193,46 @@ class ClusterView:
             node.healthy = alive
         return newly_down
 
-    def node_snaps(self) -> tuple[NodeSnap, ...]:
+    def node_snaps(self, now: float) -> tuple[NodeSnap, ...]:
         used: dict[str, Resources] = {}
+        holding: set[str] = set()
         for s in self.sandboxes.values():
+            holding.add(s.node)
             if s.state in OCCUPYING:
                 used[s.node] = used.get(s.node, Resources()) + s.needs
-        return tuple(
-            NodeSnap(n.id, n.kind, n.healthy, n.capacity, used.get(n.id, Resources()), n.images)
-            for n in self.nodes.values()
-        )
+        snaps = []
+        for n in self.nodes.values():
+            if n.id in holding:
+                n.empty_since = None
+            elif n.empty_since is None:
+                n.empty_since = now
+            snaps.append(
+                NodeSnap(
+                    n.id,
+                    n.kind,
+                    n.healthy and not n.draining,
+                    n.capacity,
+                    used.get(n.id, Resources()),
+                    n.images,
+                    accepting=now >= n.refused_until,
+                    empty_since=n.empty_since,
+                )
+            )
+        return tuple(snaps)
 
     def sandbox_snaps(self) -> tuple[SandboxSnap, ...]:
         return tuple(
-            SandboxSnap(s.id, s.node, s.pool, s.template, s.state, s.since, s.reserved_for)
+            SandboxSnap(
+                s.id,
+                s.node,
+                s.pool,
+                s.template,
+                s.state,
+                s.since,
+                s.reserved_for,
+                idle_since=s.idle_since,
+                frozen_at=s.frozen_at,
+            )
             for s in self.sandboxes.values()
             if not s.op_in_flight or s.state == SandboxState.CREATING
         )

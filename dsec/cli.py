@@ -47,6 +47,7 @@ def _describe(e: ValidationError) -> str:
 
 def cmd_controlplane(args: argparse.Namespace) -> int:
     from controlplane.app import create_controlplane_app
+    from controlplane.cloud import LocalCloudProvider
     from controlplane.config import ControlPlaneConfig
     from dsec.clock import SystemClock
     from dsec.httpkit import serve, stop_on_signals
@@ -72,8 +73,16 @@ def cmd_controlplane(args: argparse.Namespace) -> int:
         raise UsageError(f"invalid control plane config: {_describe(e)}") from e
 
     async def main() -> None:
-        app = create_controlplane_app(config, SystemClock())
-        await serve(app, config.host, config.port, stop_on_signals())
+        cloud = None
+        if config.cloud is not None:
+            cloud = LocalCloudProvider(config.cloud, config.agent_token)
+        app = create_controlplane_app(config, SystemClock(), cloud)
+
+        def listening(url: str) -> None:
+            if cloud is not None:
+                cloud.controlplane_url = url  # where its cloud agents register
+
+        await serve(app, config.host, config.port, stop_on_signals(), listening)
 
     asyncio.run(main())
     return 0
@@ -252,6 +261,12 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--cpus-per-node", type=float, default=16)
     up.add_argument("--memory-mb-per-node", type=int, default=32768)
     up.add_argument("--min-warm", type=int, default=4, help="warm sandboxes in pool 'default'")
+    up.add_argument(
+        "--cloud-nodes",
+        type=int,
+        default=0,
+        help="cloud nodes the pool may start when local nodes pass 80%% utilisation",
+    )
     up.add_argument("--state-dir", type=Path, default=DEFAULT_STATE_DIR)
     up.add_argument("--json", action="store_true", help="print where things are as JSON")
     up.set_defaults(run=cmd_up)

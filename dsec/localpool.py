@@ -21,6 +21,7 @@ import aiohttp
 import docker
 
 from agent.docker_driver import LABEL_NODE
+from controlplane.cloud import CloudConfig
 from controlplane.config import ControlPlaneConfig
 from dsec.image import ensure_base_image
 from dsec.models import Capacity, PoolParams
@@ -43,6 +44,9 @@ class LocalPoolSpec:
     state_dir: Path = field(default_factory=lambda: Path.home() / ".dsec")
     heartbeat_s: float = 1.0
     tick_s: float = 0.25
+    cloud_nodes: int = 0  # started by the control plane only when overflow needs them
+    cloud_boot_delay_s: float = 2.0
+    cloud_idle_release_s: float = 60.0
 
 
 @dataclass
@@ -84,6 +88,8 @@ class LocalPool:
         self.controlplane: Child | None = None
         self.agents: list[Child] = []
         self.node_ids = [f"{spec.name}-{i}" for i in range(1, spec.nodes + 1)]
+        self.cloud_prefix = f"{spec.name}-cloud"
+        self.cloud_node_ids = [f"{self.cloud_prefix}-{i}" for i in range(1, spec.cloud_nodes + 1)]
 
     @property
     def env_file(self) -> Path:
@@ -104,6 +110,17 @@ class LocalPool:
             agent_token=self.tokens.agent,
             pools={"default": self.spec.pool},
             tick_s=self.spec.tick_s,
+            cloud=None
+            if not self.spec.cloud_nodes
+            else CloudConfig(
+                max_nodes=self.spec.cloud_nodes,
+                node_prefix=self.cloud_prefix,
+                boot_delay_s=self.spec.cloud_boot_delay_s,
+                idle_release_s=self.spec.cloud_idle_release_s,
+                capacity=self.spec.capacity,
+                state_dir=self.dir,
+                heartbeat_s=self.spec.heartbeat_s,
+            ),
         )
         config_path = self.dir / "controlplane.json"
         # tokens reach the children through the environment, not the config file
@@ -232,7 +249,7 @@ class LocalPool:
     def _sweep_containers(self) -> int:
         client = docker.from_env()
         removed = 0
-        for node_id in self.node_ids:
+        for node_id in self.node_ids + self.cloud_node_ids:
             for c in client.containers.list(all=True, filters={"label": f"{LABEL_NODE}={node_id}"}):
                 with contextlib.suppress(docker.errors.NotFound):
                     c.remove(force=True)

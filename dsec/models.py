@@ -150,6 +150,9 @@ class TemplateSpec(Wire):
 class PoolParams(Wire):
     """A pool's elastic-policy parameters (DESIGN.md, 'The elastic policy')."""
 
+    priority: int = Field(
+        0, ge=-1000, le=1000, description="served before lower pools; may take their idle sandboxes"
+    )
     min_warm: int = Field(2, ge=0, le=100_000)
     max_warm: int = Field(64, ge=0, le=100_000)
     warm_fraction: float = Field(0.15, ge=0, le=1)
@@ -212,6 +215,7 @@ class SandboxReport(Wire):
     cpus: float
     memory_mb: int
     busy_s: float = Field(0.0, description="seconds spent running commands, all time")
+    frozen_s: float | None = Field(None, description="seconds since it was first frozen")
     idle_s: float = Field(0.0, description="seconds since the last command ended (or start)")
 
 
@@ -256,6 +260,7 @@ class CreateSandbox(Wire):
 
 class LeaseGrant(Wire):
     lease_id: str = Field(pattern=r"^[0-9a-f]{32}$")
+    pool: Name = Field(description="the pool it now serves (a higher one may take it over)")
     idempotency_key: IdempotencyKey | None = None
     labels: dict[LabelKey, LabelValue] = Field(default_factory=dict, max_length=32)
     request_id: str = Field(max_length=128)

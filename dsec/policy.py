@@ -1,14 +1,36 @@
 """The elastic policy: pure decisions from a snapshot.
 
 `decide(snapshot, pools, now)` looks at the cluster and the queues and returns what
-to do as plain data (claims, creates, destroys, pauses), each with its reason. It
-does no I/O and reads no clock: the control plane applies its actions through the
-agents, and the simulator applies the same actions in virtual time.
+to do as plain data, each action with its reason. It does no I/O and reads no
+clock: the control plane applies the actions through the agents, and the simulator
+applies the same actions in virtual time.
+
+One decision, in order (DSec's defaults, seed 004 section 4.2):
+1. Serve the queue, highest pool priority, then request priority, then arrival
+   first. A request takes, in order of preference: the sandbox created for it, a
+   warm sandbox, a paused one (thaw), a hibernated one (restore), an idle or frozen
+   sandbox of a lower-priority pool, and otherwise gets a cold create placed for it.
+2. Scale up on queue depth: when pending > k x idle, create step x idle extra warm
+   sandboxes (step x pending when idle is 0), within max_warm and capacity. These
+   are on top of the cold creates of step 1: they anticipate the rest of a burst.
+3. Keep the warm target: warm_fraction of the recent peak of concurrency, within
+   [min_warm, max_warm]; thaw paused sandboxes before creating, and pace creates
+   (refill_concurrency) so refills do not starve the acquires they are for.
+4. Scale down once the queue is safe (nothing waiting): warm sandboxes beyond the
+   target that idled past freeze_after are paused, scale_down_step of them a tick.
+5. Age the frozen: paused past hibernate_after are hibernated (files kept, memory
+   released), and frozen past frozen_ttl are destroyed.
+6. Pause leased sandboxes whose client ran nothing for lease_idle_freeze; the
+   agent thaws them on their next exec.
+7. Cloud overflow: while local utilisation is past overflow_threshold, creates of
+   templates that may leave go to cloud nodes; boot one more when none has room,
+   release a cloud node that has stayed empty.
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 import random
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -16,6 +38,7 @@ from dataclasses import dataclass, field
 from dsec.models import PoolParams
 from dsec.states import SandboxState
 
+S = SandboxState
 # With more feasible nodes than this, placement samples candidates instead of scoring
 # every node (power of d choices, as DSec and E2B do), so a decision stays cheap at
 # thousands of nodes.
@@ -58,6 +81,8 @@ class NodeSnap:
     capacity: Resources
     used: Resources
     images: frozenset[str] = frozenset()
+    accepting: bool = True  # False for a while after it refused a placement
+    empty_since: float | None = None  # when it last became empty, None while in use
 
 
 @dataclass(frozen=True)
@@ -82,6 +107,8 @@ class SandboxSnap:
     state: SandboxState
     since: float  # when it entered its state
     reserved_for: str | None = None  # the request a cold create was made for
+    idle_since: float | None = None  # leased: when its client last ran something
+    frozen_at: float | None = None  # paused or hibernated: when it was first frozen
 
 
 @dataclass(frozen=True)
@@ -95,11 +122,23 @@ class RequestSnap:
 
 
 @dataclass(frozen=True)
+class CloudSnap:
+    """What the cloud provider can still do."""
+
+    max_nodes: int
+    booting: int  # nodes asked for that have not registered yet
+    idle_release_s: float  # how long a cloud node stays empty before it is released
+
+
+@dataclass(frozen=True)
 class Snapshot:
     nodes: tuple[NodeSnap, ...]
     sandboxes: tuple[SandboxSnap, ...]
     requests: tuple[RequestSnap, ...]
     templates: Mapping[str, TemplateSnap]
+    # recent peak of leased sandboxes per (pool, template): sizes the warm pool
+    peaks: Mapping[tuple[str, str], int] = field(default_factory=dict)
+    cloud: CloudSnap | None = None
     seed: int = 0  # varies sampling between ticks while keeping decide() deterministic
 
 
@@ -121,166 +160,339 @@ class Create:
 
 
 @dataclass(frozen=True)
+class Pause:
+    sandbox_id: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Thaw:
+    sandbox_id: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Hibernate:
+    sandbox_id: str
+    reason: str
+
+
+@dataclass(frozen=True)
 class Destroy:
     sandbox_id: str
     reason: str
 
 
 @dataclass(frozen=True)
-class Pause:
-    sandbox_id: str
+class ProvisionCloud:
+    count: int
     reason: str
 
 
-Action = Claim | Create | Destroy | Pause
+@dataclass(frozen=True)
+class ReleaseCloud:
+    node: str
+    reason: str
 
 
-@dataclass
-class _Placement:
-    """Capacity as this decision uses it up, so one tick never overbooks a node."""
+Action = Claim | Create | Pause | Thaw | Hibernate | Destroy | ProvisionCloud | ReleaseCloud
 
-    nodes: dict[str, NodeSnap]
-    extra: dict[str, Resources] = field(default_factory=dict)
-
-    def used(self, node: NodeSnap) -> Resources:
-        return node.used + self.extra.get(node.id, Resources())
-
-    def local_utilisation(self) -> float:
-        local = [n for n in self.nodes.values() if n.kind == "local" and n.healthy]
-        cap = sum((n.capacity for n in local), Resources())
-        used = sum((self.used(n) for n in local), Resources())
-        return used.ratio_of(cap) if local else 1.0
-
-    def take(self, node_id: str, needs: Resources) -> None:
-        self.extra[node_id] = self.extra.get(node_id, Resources()) + needs
+# What a claim costs, best first; the path it reports.
+CLAIM_TIERS = ((S.WARM, "warm"), (S.PAUSED, "thaw"), (S.HIBERNATED, "thaw"))
 
 
-def place(
-    placement: _Placement,
-    template: TemplateSnap,
-    overflow_threshold: float,
-    exclude: Iterable[str] = (),
-    seed: int = 0,
-) -> NodeSnap | None:
-    """Pick a node for one sandbox of `template`, or None if nothing fits.
+def warm_target(params: PoolParams, peak: int) -> int:
+    """warm_fraction of the recent peak, within [min_warm, max_warm]."""
+    return max(params.min_warm, min(params.max_warm, math.ceil(params.warm_fraction * peak)))
 
-    Feasible nodes only; local ones first, cloud ones when local utilisation is past
-    the overflow threshold (or local is full) and the template may leave; among
-    candidates, those holding the image, then the most free capacity.
-    """
-    excluded = set(exclude)
-    needs = template.needs
 
-    def feasible(kind: str) -> list[NodeSnap]:
-        return [
-            n
-            for n in placement.nodes.values()
-            if n.kind == kind
-            and n.healthy
-            and n.id not in excluded
-            and (placement.used(n) + needs).fits_in(n.capacity)
-        ]
-
-    local = feasible("local")
-    overflowing = placement.local_utilisation() >= overflow_threshold or not local
-    candidates = local
-    if overflowing and template.may_overflow:
-        candidates = feasible("cloud") or local
-    if not candidates:
-        return None
-    if len(candidates) > SAMPLE_ABOVE:
-        candidates = random.Random(seed).sample(candidates, SAMPLE_SIZE)
-    best = max(
-        candidates,
-        key=lambda n: (
-            template.image in n.images,
-            1.0 - (placement.used(n) + needs).ratio_of(n.capacity),
-            n.id,  # a stable tie-break keeps decisions reproducible
-        ),
-    )
-    placement.take(best.id, needs)
-    return best
+def scale_up_step(params: PoolParams, pending: int, idle: int) -> int:
+    """Extra warm sandboxes when the queue outgrows the idle ones (0 if it does not)."""
+    if pending <= params.scale_up_k * idle:
+        return 0
+    base = idle if idle > 0 else pending  # 50% of nothing would never start a burst
+    return max(1, math.ceil(params.scale_up_step * base))
 
 
 def _seed(*parts: object) -> int:
     return int.from_bytes(hashlib.blake2b(repr(parts).encode(), digest_size=8).digest(), "big")
 
 
-def decide(snapshot: Snapshot, pools: Mapping[str, PoolParams], now: float) -> list[Action]:
-    actions: list[Action] = []
-    nodes = {n.id: n for n in snapshot.nodes}
-    placement = _Placement(nodes)
+class _Placement:
+    """Capacity as this decision uses it up, so one tick never overbooks a node."""
 
-    # Sandboxes free to hand out, by (pool, template), oldest first.
-    warm: dict[tuple[str, str], list[SandboxSnap]] = {}
-    reserved: dict[str, SandboxSnap] = {}
-    creating_unreserved: dict[tuple[str, str], int] = {}
-    for sb in sorted(snapshot.sandboxes, key=lambda s: (s.since, s.id)):
-        key = (sb.pool, sb.template)
-        if sb.reserved_for is not None and sb.state in (SandboxState.WARM, SandboxState.CREATING):
-            reserved[sb.reserved_for] = sb
-        elif sb.state == SandboxState.WARM:
-            warm.setdefault(key, []).append(sb)
-        elif sb.state == SandboxState.CREATING:
-            creating_unreserved[key] = creating_unreserved.get(key, 0) + 1
+    def __init__(self, nodes: Iterable[NodeSnap], seed: int) -> None:
+        self.nodes = {n.id: n for n in nodes}
+        self.extra: dict[str, Resources] = {}
+        self.seed = seed
+        self.unplaced_overflow = 0  # creates that wanted a cloud node and found none
 
-    # Serve the queue: higher priority first, then first come.
-    for req in sorted(snapshot.requests, key=lambda r: (-r.priority, r.arrived_at, r.id)):
-        key = (req.pool, req.template)
-        mine = reserved.pop(req.id, None)
-        if mine is not None and mine.state == SandboxState.WARM:
-            path = (
-                "overflow"
-                if nodes.get(mine.node, None) and nodes[mine.node].kind == "cloud"
-                else "cold"
+    def used(self, node: NodeSnap) -> Resources:
+        return node.used + self.extra.get(node.id, Resources())
+
+    def local_utilisation(self) -> float:
+        local = [n for n in self.nodes.values() if n.kind == "local" and n.healthy]
+        if not local:
+            return 1.0
+        cap = sum((n.capacity for n in local), Resources())
+        return sum((self.used(n) for n in local), Resources()).ratio_of(cap)
+
+    def feasible(self, kind: str, needs: Resources, excluded: frozenset[str]) -> list[NodeSnap]:
+        return [
+            n
+            for n in self.nodes.values()
+            if n.kind == kind
+            and n.healthy
+            and n.accepting
+            and n.id not in excluded
+            and (self.used(n) + needs).fits_in(n.capacity)
+        ]
+
+    def place(
+        self,
+        template: TemplateSnap,
+        overflow_threshold: float,
+        key: object,
+        exclude: frozenset[str] = frozenset(),
+    ) -> NodeSnap | None:
+        """Pick a node for one sandbox of `template`, or None if nothing fits.
+
+        Local nodes first; cloud ones while local utilisation is past the overflow
+        threshold (or local is full) and the template may leave. Among candidates,
+        those holding the image, then the most free capacity.
+        """
+        needs = template.needs
+        candidates = self.feasible("local", needs, exclude)
+        overflowing = not candidates or self.local_utilisation() >= overflow_threshold
+        if overflowing and template.may_overflow:
+            cloud = self.feasible("cloud", needs, exclude)
+            if cloud:
+                candidates = cloud
+            else:
+                self.unplaced_overflow += 1
+        if not candidates:
+            return None
+        if len(candidates) > SAMPLE_ABOVE:
+            candidates = random.Random(_seed(self.seed, key)).sample(candidates, SAMPLE_SIZE)
+        best = max(
+            candidates,
+            key=lambda n: (
+                template.image in n.images,
+                1.0 - (self.used(n) + needs).ratio_of(n.capacity),
+                n.id,  # a stable tie-break keeps decisions reproducible
+            ),
+        )
+        self.extra[best.id] = self.extra.get(best.id, Resources()) + needs
+        return best
+
+
+class _Decision:
+    def __init__(self, snapshot: Snapshot, pools: Mapping[str, PoolParams], now: float) -> None:
+        self.snap = snapshot
+        self.pools = pools
+        self.now = now
+        self.actions: list[Action] = []
+        self.nodes = {n.id: n for n in snapshot.nodes}
+        self.placement = _Placement(snapshot.nodes, snapshot.seed)
+        # unassigned sandboxes by (pool, template) and state, oldest first
+        self.free: dict[tuple[str, str, SandboxState], list[SandboxSnap]] = {}
+        self.reserved: dict[str, SandboxSnap] = {}
+        self.creating: dict[tuple[str, str], int] = {}  # unreserved creates in flight
+        self.leased: list[SandboxSnap] = []
+        for sb in sorted(snapshot.sandboxes, key=lambda s: (s.since, s.id)):
+            if sb.reserved_for is not None and sb.state in (S.WARM, S.CREATING):
+                self.reserved[sb.reserved_for] = sb
+            elif sb.state == S.CREATING:
+                key = (sb.pool, sb.template)
+                self.creating[key] = self.creating.get(key, 0) + 1
+            elif sb.state in (S.WARM, S.PAUSED, S.HIBERNATED):
+                self.free.setdefault((sb.pool, sb.template, sb.state), []).append(sb)
+            elif sb.state == S.LEASED:
+                self.leased.append(sb)
+        # waiting requests with no create under way for them: the queue-depth signal
+        self.pending: dict[tuple[str, str], int] = {}
+        self.waiting: dict[tuple[str, str], int] = {}
+        for r in snapshot.requests:
+            self.waiting[(r.pool, r.template)] = self.waiting.get((r.pool, r.template), 0) + 1
+            if r.id not in self.reserved:
+                self.pending[(r.pool, r.template)] = self.pending.get((r.pool, r.template), 0) + 1
+        # idle before this tick's claims: what the scale-up rule compares the queue with
+        self.idle_before = {
+            key: self.count(key, S.WARM) + self.count(key, S.PAUSED)
+            for key in {*self.pending, *((p, t) for p, t, _ in self.free)}
+        }
+
+    def count(self, key: tuple[str, str], state: SandboxState) -> int:
+        return len(self.free.get((*key, state), []))
+
+    def priority(self, pool: str) -> int:
+        params = self.pools.get(pool)
+        return params.priority if params else 0
+
+    def take(self, pool: str, template: str, state: SandboxState) -> SandboxSnap | None:
+        free = self.free.get((pool, template, state))
+        return free.pop(0) if free else None
+
+    # 1 ---------------------------------------------------------------------------
+    def serve_queue(self) -> None:
+        order = sorted(
+            self.snap.requests,
+            key=lambda r: (-self.priority(r.pool), -r.priority, r.arrived_at, r.id),
+        )
+        for req in order:
+            if not self._claim_for(req):
+                self._create_for(req)
+
+    def _claim_for(self, req: RequestSnap) -> bool:
+        mine = self.reserved.get(req.id)
+        if mine is not None and mine.state == S.WARM:
+            on_cloud = (
+                self.nodes.get(mine.node) is not None and self.nodes[mine.node].kind == "cloud"
             )
-            actions.append(Claim(req.id, mine.id, path, "the sandbox created for it is ready"))
-            continue
-        if warm.get(key):
-            sb = warm[key].pop(0)
-            actions.append(Claim(req.id, sb.id, "warm", "a warm sandbox was ready"))
-            continue
-        if mine is not None:
-            continue  # its cold create is under way
-        template = snapshot.templates.get(req.template)
-        params = pools.get(req.pool)
+            path = "overflow" if on_cloud else "cold"
+            self._claim(req, mine, path, "the sandbox created for it is ready")
+            return True
+        for state, path in CLAIM_TIERS:
+            sb = self.take(req.pool, req.template, state)
+            if sb is not None:
+                self._claim(req, sb, path, f"a {state} sandbox of its pool was free")
+                return True
+        lenders = sorted(
+            (p for p in self.pools if self.priority(p) < self.priority(req.pool)),
+            key=lambda p: (self.priority(p), p),
+        )
+        for state, path in CLAIM_TIERS[:2]:  # idle or frozen, never busy
+            for lender in lenders:
+                sb = self.take(lender, req.template, state)
+                if sb is not None:
+                    reason = f"taken from lower-priority pool {lender} ({state})"
+                    self._claim(req, sb, path, reason)
+                    return True
+        return mine is not None  # its cold create is under way
+
+    def _claim(self, req: RequestSnap, sb: SandboxSnap, path: str, reason: str) -> None:
+        self.actions.append(Claim(req.id, sb.id, path, reason))
+
+    def _create_for(self, req: RequestSnap) -> None:
+        template = self.snap.templates.get(req.template)
+        params = self.pools.get(req.pool)
         if template is None or params is None:
-            continue
-        node = place(
-            placement,
-            template,
-            params.overflow_threshold,
-            req.refused_by,
-            _seed(snapshot.seed, req.id),
+            return
+        node = self.placement.place(
+            template, params.overflow_threshold, ("request", req.id), req.refused_by
         )
         if node is not None:
-            actions.append(
-                Create(node.id, req.pool, req.template, req.id, "no warm sandbox for a request")
+            self.actions.append(
+                Create(node.id, req.pool, req.template, req.id, "no free sandbox for a request")
             )
 
-    # Keep each pool's warm floor topped up.
-    for pool_name in sorted(pools):
-        params = pools[pool_name]
-        for template_name in params.templates:
-            template = snapshot.templates.get(template_name)
-            if template is None:
+    # 2, 3 ------------------------------------------------------------------------
+    def grow(self) -> None:
+        for pool_name in sorted(self.pools):
+            params = self.pools[pool_name]
+            templates = sorted({*params.templates, *(t for p, t in self.pending if p == pool_name)})
+            for template_name in templates:
+                template = self.snap.templates.get(template_name)
+                if template is None:
+                    continue
+                key = (pool_name, template_name)
+                warm_now = self.count(key, S.WARM) + self.creating.get(key, 0)
+                room = max(0, params.max_warm - warm_now)
+                extra = min(
+                    room,
+                    scale_up_step(params, self.pending.get(key, 0), self.idle_before.get(key, 0)),
+                )
+                self._create_warm(key, template, params, extra, "scale-up: pending > k x idle")
+                if template_name not in params.templates:
+                    continue
+                target = warm_target(params, self.snap.peaks.get(key, 0))
+                missing = target - warm_now - extra
+                while missing > 0 and (sb := self.take(pool_name, template_name, S.PAUSED)):
+                    self.actions.append(Thaw(sb.id, "warm pool below target: thaw before create"))
+                    missing -= 1
+                # paced: the engine serialises creates, so more in flight only steals CPU
+                # from the acquires the warm pool is there to serve
+                paced = params.refill_concurrency - self.creating.get(key, 0) - extra
+                self._create_warm(
+                    key, template, params, min(missing, paced), "warm pool below target"
+                )
+
+    def _create_warm(
+        self, key: tuple[str, str], template: TemplateSnap, params: PoolParams, n: int, why: str
+    ) -> None:
+        for i in range(max(0, n)):
+            node = self.placement.place(template, params.overflow_threshold, (*key, why, i))
+            if node is None:
+                return
+            self.actions.append(Create(node.id, key[0], key[1], None, why))
+
+    # 4 ---------------------------------------------------------------------------
+    def scale_down(self) -> None:
+        for pool_name in sorted(self.pools):
+            params = self.pools[pool_name]
+            for template_name in sorted({t for p, t, _ in self.free if p == pool_name}):
+                key = (pool_name, template_name)
+                if self.waiting.get(key, 0) > 0:
+                    continue  # only once the queue is at a safe level
+                warm = self.free.get((*key, S.WARM), [])
+                target = 0
+                if template_name in params.templates:
+                    target = warm_target(params, self.snap.peaks.get(key, 0))
+                excess = len(warm) - target
+                step = math.ceil(params.scale_down_step * len(warm))
+                idle_long = [sb for sb in warm if self.now - sb.since >= params.freeze_after_s]
+                for sb in idle_long[: max(0, min(excess, step))]:
+                    self.actions.append(Pause(sb.id, "idle past freeze_after, beyond the target"))
+
+    # 5 ---------------------------------------------------------------------------
+    def age_frozen(self) -> None:
+        for (pool_name, _, state), sandboxes in sorted(self.free.items()):
+            params = self.pools.get(pool_name)
+            if params is None or state == S.WARM:
                 continue
-            key = (pool_name, template_name)
-            have = len(warm.get(key, [])) + creating_unreserved.get(key, 0)
-            # paced: the engine serialises creates, so more in flight only steals CPU
-            # from the acquires the warm pool is there to serve
-            in_flight = creating_unreserved.get(key, 0)
-            missing = min(params.min_warm - have, params.refill_concurrency - in_flight)
-            for i in range(max(0, missing)):
-                node = place(
-                    placement,
-                    template,
-                    params.overflow_threshold,
-                    seed=_seed(snapshot.seed, pool_name, template_name, i),
+            for sb in sandboxes:
+                frozen_for = self.now - (sb.frozen_at if sb.frozen_at is not None else sb.since)
+                if frozen_for >= params.frozen_ttl_s:
+                    self.actions.append(Destroy(sb.id, "frozen past frozen_ttl"))
+                elif state == S.PAUSED and self.now - sb.since >= params.hibernate_after_s:
+                    self.actions.append(Hibernate(sb.id, "paused past hibernate_after"))
+
+    # 6 ---------------------------------------------------------------------------
+    def freeze_idle_leases(self) -> None:
+        for sb in self.leased:
+            params = self.pools.get(sb.pool)
+            if params is None or sb.idle_since is None:
+                continue
+            if self.now - sb.idle_since >= params.lease_idle_freeze_s:
+                self.actions.append(Pause(sb.id, "leased but idle past lease_idle_freeze"))
+
+    # 7 ---------------------------------------------------------------------------
+    def cloud(self) -> None:
+        cloud = self.snap.cloud
+        if cloud is None:
+            return
+        cloud_nodes = [n for n in self.snap.nodes if n.kind == "cloud"]
+        if self.placement.unplaced_overflow and cloud.booting == 0:
+            if len(cloud_nodes) + cloud.booting < cloud.max_nodes:
+                self.actions.append(
+                    ProvisionCloud(1, "local utilisation past the overflow threshold")
                 )
-                if node is None:
-                    break
-                actions.append(
-                    Create(node.id, pool_name, template_name, None, "warm pool below min_warm")
-                )
-    return actions
+        placed_on = {a.node for a in self.actions if isinstance(a, Create)}
+        for node in cloud_nodes:
+            if (
+                node.empty_since is not None
+                and node.id not in placed_on
+                and self.now - node.empty_since >= cloud.idle_release_s
+            ):
+                self.actions.append(ReleaseCloud(node.id, "cloud node empty for a while"))
+
+
+def decide(snapshot: Snapshot, pools: Mapping[str, PoolParams], now: float) -> list[Action]:
+    d = _Decision(snapshot, pools, now)
+    d.serve_queue()
+    d.grow()
+    d.scale_down()
+    d.age_frozen()
+    d.freeze_idle_leases()
+    d.cloud()
+    return d.actions

@@ -16,6 +16,7 @@ class SandboxState(StrEnum):
     LEASED = "leased"  # handed to a client, which runs commands in it
     PAUSED = "paused"  # cgroup-frozen while unassigned: CPU released, memory kept
     LEASED_PAUSED = "leased_paused"  # frozen while leased and idle; the next exec thaws it
+    HIBERNATED = "hibernated"  # files kept as an image and an archive; no container, no memory
     DESTROYING = "destroying"  # container being removed
     GONE = "gone"  # removed; kept only as a tombstone so late calls get a clear answer
     LOST = "lost"  # its node stopped answering; the container may or may not exist
@@ -46,6 +47,9 @@ TRANSITIONS: dict[tuple[SandboxState, SandboxState], str] = {
     (S.PAUSED, S.LEASED): "claimed while frozen: thawed and handed out",
     (S.PAUSED, S.WARM): "thawed back into the warm pool",
     (S.PAUSED, S.DESTROYING): "frozen past frozen_ttl, or the pool shrinks",
+    (S.PAUSED, S.HIBERNATED): "paused past hibernate_after: memory released, files kept",
+    (S.HIBERNATED, S.LEASED): "claimed while hibernated: restored from its snapshot",
+    (S.HIBERNATED, S.DESTROYING): "frozen past frozen_ttl: its snapshot is deleted",
     (S.LEASED, S.LEASED_PAUSED): "its client ran nothing for lease_idle_freeze",
     (S.LEASED, S.DESTROYING): "released by its client",
     (S.LEASED_PAUSED, S.LEASED): "the client's next exec thawed it",
@@ -53,10 +57,13 @@ TRANSITIONS: dict[tuple[SandboxState, SandboxState], str] = {
     (S.DESTROYING, S.GONE): "the container is removed",
     # Any live state may be lost with its node; a lost sandbox can come back when the
     # node reports it again (a network blip, or an agent restart that adopted it).
-    **{(s, S.LOST): "its node missed heartbeats past the timeout" for s in OCCUPYING},
+    **{
+        (s, S.LOST): "its node missed heartbeats past the timeout"
+        for s in (*OCCUPYING, S.HIBERNATED)
+    },
     **{
         (S.LOST, s): "its node came back and reported it"
-        for s in (S.WARM, S.LEASED, S.PAUSED, S.LEASED_PAUSED)
+        for s in (S.WARM, S.LEASED, S.PAUSED, S.LEASED_PAUSED, S.HIBERNATED)
     },
     (S.LOST, S.GONE): "its node came back without it, or the lease was released",
 }

@@ -21,6 +21,9 @@ from dsec.localpool import LocalPool, LocalPoolSpec
 from dsec.models import Capacity, PoolParams
 
 TEST_POOL_PREFIX = "test-"
+# pools this session started: the end-of-session check looks at these alone, so two
+# test runs side by side do not judge (or remove) each other's containers
+STARTED_POOLS: set[str] = set()
 
 
 def pool_containers(client: docker.DockerClient, prefix: str = TEST_POOL_PREFIX) -> list:
@@ -40,7 +43,7 @@ def docker_client() -> Iterator[docker.DockerClient]:
         pytest.fail(f"these tests need a running Docker engine (.ci/run starts one): {e}")
     ensure_base_image(client)
     yield client
-    left = pool_containers(client)
+    left = [c for name in STARTED_POOLS for c in pool_containers(client, name + "-")]
     for c in left:
         c.remove(force=True)
     assert not left, f"tests left containers behind: {[c.name for c in left]}"
@@ -48,7 +51,7 @@ def docker_client() -> Iterator[docker.DockerClient]:
 
 def make_spec(state_dir: Path, **overrides) -> LocalPoolSpec:
     spec = LocalPoolSpec(
-        name=f"{TEST_POOL_PREFIX}{uuid.uuid4().hex[:6]}",
+        name=f"{TEST_POOL_PREFIX}{uuid.uuid4().hex[:8]}",
         nodes=3,
         port=0,
         capacity=Capacity(cpus=32, memory_mb=65536, slots=40),
@@ -63,6 +66,7 @@ def make_spec(state_dir: Path, **overrides) -> LocalPoolSpec:
 
 async def started_pool(spec: LocalPoolSpec, docker_client) -> AsyncIterator[LocalPool]:
     pool = LocalPool(spec)
+    STARTED_POOLS.add(spec.name)
     try:
         await pool.start()
         yield pool

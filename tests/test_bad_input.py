@@ -148,7 +148,9 @@ async def test_bad_input_leaves_no_container_behind(pool, client, docker_client,
             if not any(s.state == "creating" for s in await client.list()):
                 break
             await asyncio.sleep(0.05)
-        return {c.labels["dsec.sandbox"] for c in pool_containers(docker_client, pool.spec.name)}
+        return {
+            c.labels["dsec.sandbox"] for c in pool_containers(docker_client, pool.spec.name + "-")
+        }
 
     before = await settled_containers()
     for payload in (b"{", b'{"pool": "nope"}', b'{"timeout_s": -1}', b'{"template": "x"}'):

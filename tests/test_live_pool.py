@@ -197,7 +197,7 @@ async def test_an_acquire_nothing_can_serve_times_out_cleanly(docker_client, tmp
             with pytest.raises(DsecError) as e:
                 await c.acquire(timeout=1)
             assert e.value.status == 503 and e.value.code == "acquire_timeout"
-            assert len(pool_containers(docker_client, spec.name)) == 2
+            assert len(pool_containers(docker_client, spec.name + "-")) == 2
             await held[0].release()
             # the freed slot serves the next request
             again = await c.acquire(timeout=30)

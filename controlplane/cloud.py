@@ -1,0 +1,114 @@
+"""Cloud capacity: a provider starts and stops cloud nodes, which then register.
+
+The policy only says how many more it wants (ProvisionCloud) and which idle one to
+give back (ReleaseCloud); a provider turns that into machines. `LocalCloudProvider`
+starts extra agents marked `cloud` on this machine, after a boot delay, so overflow
+can be exercised without a cloud account.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Protocol
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from dsec.models import Capacity, Name
+
+log = logging.getLogger(__name__)
+
+
+class CloudConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    max_nodes: int = Field(ge=1, le=200)
+    node_prefix: Name = "cloud"
+    boot_delay_s: float = Field(2.0, ge=0, le=3600)
+    idle_release_s: float = Field(60.0, gt=0, le=86_400)
+    capacity: Capacity = Capacity(cpus=16, memory_mb=32768, slots=64)
+    state_dir: Path = Path.home() / ".dsec" / "cloud"
+    heartbeat_s: float = Field(1.0, gt=0, le=60)
+
+
+class CloudProvider(Protocol):
+    max_nodes: int
+    idle_release_s: float
+
+    def booting(self, registered: set[str]) -> int:
+        """Nodes asked for that have not registered yet."""
+
+    async def start_node(self) -> str: ...
+
+    async def stop_node(self, node_id: str) -> None: ...
+
+    async def close(self) -> None: ...
+
+
+class LocalCloudProvider:
+    """Cloud nodes as agent processes on 127.0.1.x, for `dsec up --cloud-nodes M`."""
+
+    def __init__(self, config: CloudConfig, agent_token: str) -> None:
+        self.config = config
+        self.max_nodes = config.max_nodes
+        self.idle_release_s = config.idle_release_s
+        self.agent_token = agent_token
+        self.controlplane_url = ""  # known once the control plane listens
+        self.procs: dict[str, asyncio.subprocess.Process] = {}
+        self.starting: set[str] = set()
+
+    def node_ids(self) -> list[str]:
+        return [f"{self.config.node_prefix}-{i}" for i in range(1, self.max_nodes + 1)]
+
+    def booting(self, registered: set[str]) -> int:
+        return len(self.starting - registered)
+
+    async def start_node(self) -> str:
+        free = [n for n in self.node_ids() if n not in self.procs and n not in self.starting]
+        if not free:
+            raise RuntimeError("every cloud node is already running")
+        node_id = free[0]
+        self.starting.add(node_id)
+        try:
+            await asyncio.sleep(self.config.boot_delay_s)  # a VM takes a while to come up
+            index = self.node_ids().index(node_id) + 1
+            c = self.config
+            self.procs[node_id] = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "dsec.cli", "agent",
+                "--node-id", node_id, "--kind", "cloud",
+                "--host", f"127.0.1.{index}", "--port", "0",
+                "--controlplane", self.controlplane_url,
+                "--cpus", str(c.capacity.cpus), "--memory-mb", str(c.capacity.memory_mb),
+                "--slots", str(c.capacity.slots), "--state-dir", str(c.state_dir),
+                "--heartbeat-s", str(c.heartbeat_s), "--cleanup-on-exit",
+                stdout=asyncio.subprocess.DEVNULL,
+                env={**os.environ, "DSEC_AGENT_TOKEN": self.agent_token},
+                start_new_session=True,
+            )  # fmt: skip
+            log.info("cloud node %s started", node_id)
+        except BaseException:
+            self.starting.discard(node_id)
+            raise
+        return node_id
+
+    async def stop_node(self, node_id: str) -> None:
+        self.starting.discard(node_id)
+        proc = self.procs.pop(node_id, None)
+        if proc is None or proc.returncode is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(signal.SIGTERM)  # it removes its sandboxes on the way out
+        try:
+            await asyncio.wait_for(proc.wait(), 60)
+        except TimeoutError:
+            proc.kill()
+            await proc.wait()
+        log.info("cloud node %s stopped", node_id)
+
+    async def close(self) -> None:
+        await asyncio.gather(*(self.stop_node(n) for n in list(self.procs)))
