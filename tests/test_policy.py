@@ -1,0 +1,360 @@
+"""The pure policy, table-driven: a snapshot in, actions out, no Docker, no clock."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from dsec.models import PoolParams
+from dsec.policy import (
+    Claim,
+    CloudSnap,
+    Create,
+    Destroy,
+    Hibernate,
+    NodeSnap,
+    Pause,
+    ProvisionCloud,
+    ReleaseCloud,
+    RequestSnap,
+    Resources,
+    SandboxSnap,
+    Snapshot,
+    TemplateSnap,
+    Thaw,
+    decide,
+    scale_up_step,
+    warm_target,
+)
+from dsec.states import SandboxState as S
+
+NOW = 1000.0
+TEMPLATES = {
+    "t": TemplateSnap("t", "img:t", cpus=1.0, memory_mb=100, may_overflow=True),
+    "pinned": TemplateSnap("pinned", "img:p", cpus=1.0, memory_mb=100, may_overflow=False),
+}
+
+
+def node(id="n1", kind="local", slots=1000, used=0, images=("img:t",), **kw) -> NodeSnap:
+    return NodeSnap(
+        id, kind, kw.pop("healthy", True), Resources(1000.0, 10**6, slots),
+        Resources(float(used), used * 100, used), frozenset(images), **kw,
+    )  # fmt: skip
+
+
+def sandbox(id, state, pool="p", template="t", node="n1", since=NOW - 1, **kw) -> SandboxSnap:
+    return SandboxSnap(id, node, pool, template, state, since, **kw)
+
+
+def request(id, pool="p", template="t", priority=0, arrived_at=NOW - 0.1, **kw) -> RequestSnap:
+    return RequestSnap(id, pool, template, priority, arrived_at, **kw)
+
+
+def params(**kw) -> PoolParams:
+    base = dict(min_warm=0, max_warm=1000, warm_fraction=0.0, templates=["t"])
+    return PoolParams(**(base | kw))
+
+
+def snap(nodes=(), sandboxes=(), requests=(), **kw) -> Snapshot:
+    return Snapshot(tuple(nodes or [node()]), tuple(sandboxes), tuple(requests), TEMPLATES, **kw)
+
+
+def of(actions, kind, reason_prefix: str | None = None) -> list:
+    return [
+        a for a in actions
+        if isinstance(a, kind) and (reason_prefix is None or a.reason.startswith(reason_prefix))
+    ]  # fmt: skip
+
+
+def cold(actions) -> list[Create]:
+    """The creates made for a waiting request (not warm-pool or scale-up ones)."""
+    return [a for a in of(actions, Create) if a.for_request]
+
+
+# --- the scale-up rule ------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("pending", "idle", "k", "step", "expected"),
+    [
+        (200, 50, 2.0, 0.5, 25),  # the seed's worked example
+        (100, 50, 2.0, 0.5, 0),  # not above k x idle
+        (101, 50, 2.0, 0.5, 25),
+        (3, 1, 2.0, 0.5, 1),  # rounds up: never a step of zero once triggered
+        (0, 0, 2.0, 0.5, 0),  # nothing waiting
+        (1, 0, 2.0, 0.5, 1),  # idle 0: a share of the queue instead of 50% of nothing
+        (10, 0, 2.0, 0.5, 5),
+        (10, 4, 3.0, 0.25, 0),  # 10 <= 3 x 4
+        (13, 4, 3.0, 0.25, 1),
+    ],
+)
+def test_scale_up_step(pending, idle, k, step, expected):
+    assert scale_up_step(params(scale_up_k=k, scale_up_step=step), pending, idle) == expected
+
+
+@pytest.mark.parametrize(
+    ("min_warm", "max_warm", "fraction", "peak", "expected"),
+    [
+        (2, 64, 0.15, 0, 2),  # the floor
+        (2, 64, 0.15, 100, 15),
+        (2, 64, 0.15, 1000, 64),  # the ceiling
+        (0, 64, 0.10, 5, 1),  # rounds up
+    ],
+)
+def test_warm_target(min_warm, max_warm, fraction, peak, expected):
+    p = params(min_warm=min_warm, max_warm=max_warm, warm_fraction=fraction)
+    assert warm_target(p, peak) == expected
+
+
+def test_the_seeds_worked_example():
+    # 100 running, 50 idle, 200 pending: 200 > 2 x 50, so scale up by 25
+    running = [sandbox(f"r{i}", S.LEASED) for i in range(100)]
+    idle = [sandbox(f"i{i}", S.WARM) for i in range(50)]
+    pending = [request(f"q{i:03}", arrived_at=NOW - 1 + i / 1000) for i in range(200)]
+    actions = decide(snap(sandboxes=running + idle, requests=pending), {"p": params()}, NOW)
+    claims = of(actions, Claim)
+    assert len(claims) == 50 and {c.path for c in claims} == {"warm"}
+    assert {c.request_id for c in claims} == {f"q{i:03}" for i in range(50)}  # first come
+    assert len(of(actions, Create, "scale-up")) == 25
+    assert len(cold(actions)) == 150  # each request left waiting gets a create of its own
+
+
+def test_idle_zero_and_bounded_by_max_warm():
+    pending = [request(f"q{i}") for i in range(10)]
+    actions = decide(snap(requests=pending), {"p": params(max_warm=3)}, NOW)
+    assert len(cold(actions)) == 10
+    assert len(of(actions, Create, "scale-up")) == 3  # 50% of 10, capped by max_warm
+
+
+def test_capacity_full_creates_nothing_but_serves_what_is_warm():
+    full = node(slots=4, used=4)
+    warm = sandbox("w", S.WARM)
+    actions = decide(
+        snap([full], [warm], [request("a"), request("b", arrived_at=NOW)]),
+        {"p": params(min_warm=5)}, NOW,
+    )  # fmt: skip
+    assert of(actions, Claim) == [Claim("a", "w", "warm", of(actions, Claim)[0].reason)]
+    assert of(actions, Create) == []
+
+
+def test_claims_prefer_warm_then_paused_then_hibernated_then_cold():
+    tiers = [
+        sandbox("h", S.HIBERNATED, since=NOW - 50),
+        sandbox("p", S.PAUSED, since=NOW - 50),
+        sandbox("w", S.WARM),
+    ]
+    reqs = [request(f"q{i}", arrived_at=NOW - 5 + i) for i in range(4)]
+    actions = decide(snap(sandboxes=tiers, requests=reqs), {"p": params()}, NOW)
+    got = [(c.request_id, c.sandbox_id, c.path) for c in of(actions, Claim)]
+    assert got == [("q0", "w", "warm"), ("q1", "p", "thaw"), ("q2", "h", "thaw")]
+    assert [a.for_request for a in cold(actions)] == ["q3"]
+
+
+def test_everything_frozen_is_thawed_for_requests():
+    frozen = [sandbox(f"p{i}", S.PAUSED, since=NOW - 10) for i in range(3)]
+    actions = decide(snap(sandboxes=frozen, requests=[request("a")]), {"p": params()}, NOW)
+    assert [(c.sandbox_id, c.path) for c in of(actions, Claim)] == [("p0", "thaw")]
+
+
+def test_a_create_for_a_request_is_claimed_when_ready_and_not_duplicated():
+    mine = sandbox("c", S.CREATING, reserved_for="a")
+    actions = decide(snap(sandboxes=[mine], requests=[request("a")]), {"p": params()}, NOW)
+    assert of(actions, Claim) == [] and cold(actions) == []
+    ready = sandbox("c", S.WARM, reserved_for="a")
+    actions = decide(snap(sandboxes=[ready], requests=[request("a")]), {"p": params()}, NOW)
+    assert [(c.sandbox_id, c.path) for c in of(actions, Claim)] == [("c", "cold")]
+
+
+# --- placement and overflow ---------------------------------------------------------
+
+
+def test_placement_prefers_the_image_then_free_capacity_and_skips_what_cannot_take_it():
+    nodes = [
+        node("cold-cache", images=(), used=0),
+        node("busy", used=900),
+        node("roomy", used=100),
+        node("sick", healthy=False),
+        node("refusing", accepting=False),
+        node("refused-it", used=0),
+    ]
+    reqs = [request("a", refused_by=frozenset({"refused-it"}))]
+    actions = decide(snap(nodes, requests=reqs), {"p": params()}, NOW)
+    assert [a.node for a in cold(actions)] == ["roomy"]
+
+
+def test_one_decision_never_overbooks_a_node():
+    reqs = [request(f"q{i}") for i in range(5)]
+    actions = decide(snap([node("a", slots=2), node("b", slots=2)], requests=reqs),
+                     {"p": params()}, NOW)  # fmt: skip
+    creates = [a.node for a in of(actions, Create)]  # cold and scale-up share the 4 slots
+    assert sorted(creates) == ["a", "a", "b", "b"]
+
+
+def test_sampling_at_thousands_of_nodes_is_deterministic_and_feasible():
+    nodes = [node(f"n{i:04}", slots=10, used=10 if i % 2 else 3) for i in range(2000)]
+    reqs = [request(f"q{i}") for i in range(50)]
+    first = decide(snap(nodes, requests=reqs, seed=7), {"p": params()}, NOW)
+    again = decide(snap(nodes, requests=reqs, seed=7), {"p": params()}, NOW)
+    assert first == again
+    placed = [a.node for a in cold(first)]
+    assert len(placed) == 50 and all(int(n[1:]) % 2 == 0 for n in placed)  # only feasible
+    assert len(set(placed)) > 25  # spread, not piled on one node
+
+
+@pytest.mark.parametrize(
+    ("local_used", "threshold", "template", "expected_kind"),
+    [
+        (85, 0.8, "t", "cloud"),  # past the threshold: overflow
+        (70, 0.8, "t", "local"),  # below it
+        (85, 0.9, "t", "local"),  # a higher threshold keeps it local
+        (85, 0.8, "pinned", "local"),  # a template that may not leave stays local
+        (100, 0.8, "pinned", None),  # ... and waits when local is full
+    ],
+)
+def test_cloud_overflow(local_used, threshold, template, expected_kind):
+    nodes = [node("l", slots=100, used=local_used, images=("img:t", "img:p")),
+             node("c", kind="cloud", slots=100, images=("img:t", "img:p"))]  # fmt: skip
+    pools = {"p": params(overflow_threshold=threshold, templates=[])}
+    actions = decide(snap(nodes, requests=[request("a", template=template)]), pools, NOW)
+    creates = cold(actions)
+    kinds = {"l": "local", "c": "cloud"}
+    assert [kinds[a.node] for a in creates] == ([expected_kind] if expected_kind else [])
+
+
+def test_a_ready_sandbox_on_a_cloud_node_reports_overflow():
+    nodes = [node("l", used=900), node("c", kind="cloud")]
+    mine = sandbox("c1", S.WARM, node="c", reserved_for="a")
+    actions = decide(snap(nodes, [mine], [request("a")]), {"p": params()}, NOW)
+    assert [c.path for c in of(actions, Claim)] == ["overflow"]
+
+
+@pytest.mark.parametrize(
+    ("cloud_nodes", "booting", "max_nodes", "provisions"),
+    [(0, 0, 2, 1), (0, 1, 2, 0), (2, 0, 2, 0)],
+)
+def test_cloud_nodes_are_provisioned_when_overflow_finds_no_room(
+    cloud_nodes, booting, max_nodes, provisions
+):
+    nodes = [node("l", slots=10, used=9)] + [
+        node(f"c{i}", kind="cloud", slots=1, used=1) for i in range(cloud_nodes)
+    ]
+    cloud = CloudSnap(max_nodes=max_nodes, booting=booting, idle_release_s=60)
+    actions = decide(snap(nodes, requests=[request("a")], cloud=cloud),
+                     {"p": params(templates=[])}, NOW)  # fmt: skip
+    assert len(of(actions, ProvisionCloud)) == provisions
+
+
+def test_an_empty_cloud_node_is_released_after_a_while():
+    nodes = [
+        node("l"),
+        node("c-old", kind="cloud", empty_since=NOW - 61),
+        node("c-new", kind="cloud", empty_since=NOW - 5),
+        node("c-used", kind="cloud", used=1),
+    ]
+    cloud = CloudSnap(max_nodes=3, booting=0, idle_release_s=60)
+    actions = decide(snap(nodes, cloud=cloud), {"p": params(templates=[])}, NOW)
+    assert [a.node for a in of(actions, ReleaseCloud)] == ["c-old"]
+
+
+# --- pools and priorities ---------------------------------------------------------
+
+
+def test_a_higher_priority_pool_is_served_first():
+    pools = {"train": params(priority=0), "eval": params(priority=10)}
+    warm = [sandbox("w", S.WARM, pool="train")]
+    reqs = [request("t1", pool="train", arrived_at=NOW - 5), request("e1", pool="eval")]
+    actions = decide(snap(sandboxes=warm, requests=reqs), pools, NOW)
+    # eval takes train's only idle sandbox; train's request gets a cold create instead
+    assert [(c.request_id, c.sandbox_id) for c in of(actions, Claim)] == [("e1", "w")]
+    assert "lower-priority" in of(actions, Claim)[0].reason
+    assert [a.for_request for a in cold(actions)] == ["t1"]
+
+
+def test_priority_takes_idle_or_frozen_never_busy_and_never_upwards():
+    pools = {"train": params(priority=0), "eval": params(priority=10)}
+    busy = sandbox("busy", S.LEASED, pool="train")
+    frozen = sandbox("frozen", S.PAUSED, pool="train", since=NOW - 100)
+    eval_warm = sandbox("ew", S.WARM, pool="eval")
+    actions = decide(
+        snap(sandboxes=[busy, frozen, eval_warm],
+             requests=[request("e1", pool="eval", arrived_at=NOW - 1),
+                       request("e2", pool="eval", arrived_at=NOW - 0.5),
+                       request("t1", pool="train", arrived_at=NOW - 2)]),
+        pools, NOW,
+    )  # fmt: skip
+    claims = {c.request_id: (c.sandbox_id, c.path) for c in of(actions, Claim)}
+    assert claims == {"e1": ("ew", "warm"), "e2": ("frozen", "thaw")}
+    assert "busy" not in {c.sandbox_id for c in of(actions, Claim)}
+
+
+def test_request_priority_orders_a_pool_queue():
+    actions = decide(
+        snap(sandboxes=[sandbox("w", S.WARM)],
+             requests=[request("low", arrived_at=NOW - 9), request("high", priority=5)]),
+        {"p": params()}, NOW,
+    )  # fmt: skip
+    assert [c.request_id for c in of(actions, Claim)] == ["high"]
+
+
+# --- warm pool, freezing, ageing --------------------------------------------------
+
+
+def test_the_warm_target_follows_the_recent_peak_thaws_first_and_is_paced():
+    pools = {"p": params(min_warm=1, max_warm=50, warm_fraction=0.2, refill_concurrency=2)}
+    paused = [sandbox(f"p{i}", S.PAUSED, since=NOW - 5) for i in range(3)]
+    actions = decide(snap(sandboxes=paused, peaks={("p", "t"): 50}), pools, NOW)
+    assert len(of(actions, Thaw)) == 3  # target 10: thaw the 3 paused first...
+    assert len(of(actions, Create, "warm pool")) == 2  # ...then create, 2 at a time
+    in_flight = [sandbox(f"c{i}", S.CREATING) for i in range(2)]
+    actions = decide(snap(sandboxes=in_flight, peaks={("p", "t"): 50}), pools, NOW)
+    assert of(actions, Create) == []
+
+
+def test_scale_down_freezes_excess_idle_warm_a_step_at_a_time_once_the_queue_is_safe():
+    pools = {"p": params(min_warm=2, freeze_after_s=30, scale_down_step=0.2)}
+    warm = [sandbox(f"w{i}", S.WARM, since=NOW - 60 + i) for i in range(10)]
+    actions = decide(snap(sandboxes=warm), pools, NOW)
+    assert [a.sandbox_id for a in of(actions, Pause)] == ["w0", "w1"]  # 20% of 10, oldest
+    fresh = [sandbox(f"w{i}", S.WARM, since=NOW - 10) for i in range(10)]
+    assert of(decide(snap(sandboxes=fresh), pools, NOW), Pause) == []  # not idle long enough
+    creating = [sandbox("c", S.CREATING, reserved_for="q")]
+    busy_queue = decide(snap(sandboxes=warm + creating, requests=[request("q")]), pools, NOW)
+    assert of(busy_queue, Pause) == []  # the queue is not at a safe level
+
+
+@pytest.mark.parametrize(
+    ("state", "since", "frozen_at", "expected"),
+    [
+        (S.PAUSED, NOW - 10, NOW - 10, None),
+        (S.PAUSED, NOW - 130, NOW - 130, Hibernate),  # past hibernate_after (120 s)
+        (S.PAUSED, NOW - 301, NOW - 301, Destroy),  # past frozen_ttl (300 s)
+        (S.HIBERNATED, NOW - 100, NOW - 250, None),
+        (S.HIBERNATED, NOW - 100, NOW - 301, Destroy),  # the TTL counts from the freeze
+    ],
+)
+def test_frozen_sandboxes_age_into_hibernation_then_out(state, since, frozen_at, expected):
+    pools = {"p": params(hibernate_after_s=120, frozen_ttl_s=300)}
+    actions = decide(snap(sandboxes=[sandbox("s", state, since=since, frozen_at=frozen_at)]),
+                     pools, NOW)  # fmt: skip
+    kinds = [type(a) for a in actions if isinstance(a, Hibernate | Destroy)]
+    assert kinds == ([expected] if expected else [])
+
+
+def test_an_idle_lease_is_frozen():
+    pools = {"p": params(lease_idle_freeze_s=60)}
+    leases = [sandbox("idle", S.LEASED, idle_since=NOW - 61),
+              sandbox("active", S.LEASED, idle_since=NOW - 5)]  # fmt: skip
+    actions = decide(snap(sandboxes=leases), pools, NOW)
+    assert [a.sandbox_id for a in of(actions, Pause)] == ["idle"]
+
+
+def test_decide_is_pure():
+    source = Path(__file__).parents[1].joinpath("dsec", "policy.py").read_text()
+    tree = ast.parse(source)
+    imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import)
+                for a in n.names} | {
+        n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module
+    }  # fmt: skip
+    assert not imported & {"time", "asyncio", "aiohttp", "docker", "prometheus_client", "os"}
