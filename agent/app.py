@@ -458,26 +458,31 @@ class Agent:
                 continue
             await self.store.delete(record.id)  # recorded, but its container is gone
 
+    async def refresh_images_forever(self) -> None:
+        """The images this node holds, for placement; apart from the heartbeat, so a
+        Docker engine busy with creates never delays a heartbeat."""
+        while True:
+            try:
+                self.images = await self.docker.image_tags()
+            except DockerOpError as e:
+                self.metrics.docker_error(e.op, e.kind)
+            await self.clock.sleep(self.config.images_refresh_s)
+
     async def heartbeat_forever(self) -> None:
         assert self.config.controlplane_url
         url = f"{self.config.controlplane_url}/v1/agents/{self.config.node_id}"
-        headers = {"Authorization": f"Bearer {self.config.agent_token}"}
-        next_images = 0.0
+        headers = {
+            "Authorization": f"Bearer {self.config.agent_token}",
+            "Content-Type": "application/json",
+        }
         await self.listening.wait()  # the report must carry the address clients will use
         async with aiohttp.ClientSession(
             headers=headers, timeout=aiohttp.ClientTimeout(total=5)
         ) as http:
             while True:
-                if self.clock.now() >= next_images:
-                    with contextlib.suppress(DockerOpError):
-                        self.images = await self.docker.image_tags()
-                    next_images = self.clock.now() + self.config.images_refresh_s
                 self.metrics.sandboxes.labels(self.config.node_id).set(len(self.sandboxes))
                 try:
-                    body = self.report().model_dump_json()
-                    async with http.put(
-                        url, data=body, headers={"Content-Type": "application/json"}
-                    ) as resp:
+                    async with http.put(url, data=self.report().model_dump_json()) as resp:
                         if resp.status >= 300:
                             self.metrics.heartbeat_failures.labels(self.config.node_id).inc()
                             log.warning("heartbeat refused: %s %s", resp.status, await resp.text())
@@ -648,14 +653,14 @@ def create_agent_app(agent: Agent) -> web.Application:
 
     async def lifecycle(app: web.Application) -> AsyncIterator[None]:
         await agent.adopt()
-        heartbeat = None
+        loops = [asyncio.create_task(agent.refresh_images_forever(), name="images")]
         if agent.config.controlplane_url:
-            heartbeat = asyncio.create_task(agent.heartbeat_forever(), name="heartbeat")
+            loops.append(asyncio.create_task(agent.heartbeat_forever(), name="heartbeat"))
         yield
-        if heartbeat is not None:
-            heartbeat.cancel()
+        for task in loops:
+            task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await heartbeat
+                await task
         if agent.config.cleanup_on_exit:
             await agent.remove_all()
         await agent.store.close()

@@ -299,8 +299,12 @@ class _Decision:
         self.reserved: dict[str, SandboxSnap] = {}
         self.creating: dict[tuple[str, str], int] = {}  # unreserved creates in flight
         self.leased: list[SandboxSnap] = []
+        waiting = {r.id for r in snapshot.requests}
         for sb in sorted(snapshot.sandboxes, key=lambda s: (s.since, s.id)):
-            if sb.reserved_for is not None and sb.state in (S.WARM, S.CREATING):
+            # a reservation counts while its request waits; one left over (the request
+            # was served by another sandbox, or gave up) is just a free sandbox
+            mine = sb.reserved_for in waiting and sb.reserved_for not in self.reserved
+            if mine and sb.state in (S.WARM, S.CREATING):
                 self.reserved[sb.reserved_for] = sb
             elif sb.state == S.CREATING:
                 key = (sb.pool, sb.template)
