@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import re
 from collections import Counter
 from collections.abc import AsyncIterator
@@ -18,7 +19,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from controlplane.cloud import CloudProvider
 from controlplane.config import ControlPlaneConfig
 from controlplane.gateway import AgentGateway
-from controlplane.metrics import ControlPlaneMetrics, ViewCollector
+from controlplane.metrics import UNKNOWN_POOL, ControlPlaneMetrics, ViewCollector
 from controlplane.queue import RequestQueues
 from controlplane.scheduler import Scheduler
 from controlplane.view import ClusterView
@@ -48,6 +49,7 @@ from dsec.models import (
     SandboxList,
     Usage,
 )
+from dsec.policy import Resources
 from dsec.states import SandboxState
 
 SCHEDULER = web.AppKey("scheduler", Scheduler)
@@ -70,10 +72,31 @@ def _admin(request: web.Request) -> Scheduler:
 
 
 async def acquire(request: web.Request) -> web.Response:
-    s = _client(request)
-    body = await read_model(request, AcquireRequest)
-    lease = await s.acquire(body)
+    s = _scheduler(request)
+    pool = UNKNOWN_POOL  # until the body names a pool that exists
+    try:
+        _client(request)
+        body = await read_model(request, AcquireRequest)
+        if body.pool in s.config.pools:
+            pool = body.pool
+        lease = await s.acquire(body)
+    except (ApiError, web.HTTPClientError) as e:
+        if 400 <= e.status < 500:
+            if pool == UNKNOWN_POOL and not request.can_read_body:  # the body was read
+                pool = _named_pool(await request.read(), s.config.pools) or UNKNOWN_POOL
+            s.metrics.acquires.labels(pool, "rejected").inc()
+        raise
     return model_response(lease, 201)
+
+
+def _named_pool(raw: bytes, pools: dict) -> str | None:
+    """The existing pool an invalid acquire body named, so its refusal counts there."""
+    try:
+        data = json.loads(raw or b"{}")
+    except ValueError:
+        return None
+    pool = data.get("pool", "default") if isinstance(data, dict) else None
+    return pool if isinstance(pool, str) and pool in pools else None
 
 
 async def list_sandboxes(request: web.Request) -> web.Response:
@@ -114,8 +137,9 @@ async def list_nodes(request: web.Request) -> web.Response:
     s = _client(request)
     now = s.clock.now()
     nodes = []
+    used_by_node = s.view.used_by_node()
     for n in s.view.nodes.values():
-        used = s.view.used(n.id)
+        used = used_by_node.get(n.id, Resources())
         nodes.append(
             NodeInfo(
                 node_id=n.id,

@@ -19,6 +19,10 @@ from dsec.models import Capacity, PoolParams
 from dsec.plan import add_plan_arguments, run_plan
 
 DEFAULT_STATE_DIR = Path.home() / ".dsec"
+DASHBOARD_HINT = (
+    "http://127.0.0.1:3000/d/dsec-overview once `cd deploy && docker compose up -d` runs "
+    "Grafana (deploy/README.md)"
+)
 
 
 class UsageError(Exception):
@@ -177,6 +181,7 @@ def cmd_up(args: argparse.Namespace) -> int:
             )
             print(f"metrics        {summary['metrics']}")
             print(f"prometheus sd  {summary['service_discovery']}")
+            print(f"dashboard      {DASHBOARD_HINT}")
             print(f"credentials    source {summary['env_file']}")
             print("Ctrl-C stops the pool and removes every sandbox it made.", flush=True)
         why = await pool.wait(stop)
@@ -214,7 +219,9 @@ def cmd_status(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"url": url, **nodes, **sandboxes}))
         return 0
-    print(f"control plane {url}  (metrics {url}/metrics)\n")
+    print(f"control plane {url}")
+    print(f"metrics       {url}/metrics  (agents: {url}/v1/sd/prometheus)")
+    print(f"dashboard     {DASHBOARD_HINT}\n")
     print(
         format_table(
             ["node", "kind", "healthy", "sandboxes", "slots", "cpus", "url"],
