@@ -96,7 +96,8 @@ async def run(url: str | None, admin: str | None, token: str | None, samples: in
     try:
         async with Client(url, token=admin) as operator:
             await operator.set_pool("bench-warm", PoolParams(min_warm=WARM_BATCH, max_warm=64))
-            await operator.set_pool("bench-cold", PoolParams(min_warm=0, templates=[]))
+            # no warm tier at all: every acquire waits for its own create
+            await operator.set_pool("bench-cold", PoolParams(min_warm=0, max_warm=0, templates=[]))
         async with Client(url, token=token) as client:
             warm = await acquire_latencies(client, "bench-warm", samples, WARM_BATCH)
             cold = await acquire_latencies(client, "bench-cold", max(30, samples // 5), 0)
