@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from controlplane.cloud import CloudConfig
@@ -30,6 +32,9 @@ class ControlPlaneConfig(BaseModel):
     )
     peak_window_s: float = Field(600.0, gt=0, le=86_400, description="'recent' in recent peak")
     cloud: CloudConfig | None = None
+    policy: Literal["dsec", "cold", "static", "hpa", "keda", "kpa"] = Field(
+        "dsec", description="dsec, or a baseline to compare it with"
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> ControlPlaneConfig:

@@ -47,6 +47,7 @@ class LocalPoolSpec:
     cloud_nodes: int = 0  # started by the control plane only when overflow needs them
     cloud_boot_delay_s: float = 2.0
     cloud_idle_release_s: float = 60.0
+    policy: str = "dsec"  # or a baseline: cold, static, hpa, keda, kpa
 
 
 @dataclass
@@ -110,6 +111,7 @@ class LocalPool:
             agent_token=self.tokens.agent,
             pools={"default": self.spec.pool},
             tick_s=self.spec.tick_s,
+            policy=self.spec.policy,
             cloud=None
             if not self.spec.cloud_nodes
             else CloudConfig(
