@@ -462,11 +462,14 @@ class Agent:
         """The images this node holds, for placement; apart from the heartbeat, so a
         Docker engine busy with creates never delays a heartbeat."""
         while True:
-            try:
-                self.images = await self.docker.image_tags()
-            except DockerOpError as e:
-                self.metrics.docker_error(e.op, e.kind)
             await self.clock.sleep(self.config.images_refresh_s)
+            await self.refresh_images()
+
+    async def refresh_images(self) -> None:
+        try:
+            self.images = await self.docker.image_tags()
+        except DockerOpError as e:
+            self.metrics.docker_error(e.op, e.kind)
 
     async def heartbeat_forever(self) -> None:
         assert self.config.controlplane_url
@@ -653,6 +656,7 @@ def create_agent_app(agent: Agent) -> web.Application:
 
     async def lifecycle(app: web.Application) -> AsyncIterator[None]:
         await agent.adopt()
+        await agent.refresh_images()  # the first heartbeat already says what it holds
         loops = [asyncio.create_task(agent.refresh_images_forever(), name="images")]
         if agent.config.controlplane_url:
             loops.append(asyncio.create_task(agent.heartbeat_forever(), name="heartbeat"))

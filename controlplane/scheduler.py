@@ -51,10 +51,11 @@ from dsec.policy import (
     Thaw,
 )
 from dsec.policy import decide as policy_decide
-from dsec.states import ASSIGNED, OCCUPYING, SandboxState
+from dsec.states import ASSIGNED, SandboxState
 from dsec.tokens import lease_token, new_lease_id
 
 log = logging.getLogger(__name__)
+LEASE_LOOK_S = 2.0
 
 
 class Scheduler:
@@ -89,6 +90,7 @@ class Scheduler:
         self.reservations: dict[str, str] = {}  # request id -> the sandbox created for it
         self.ticks = 0
         self.alive_accounted_at = clock.now()
+        self.leases_looked_at = -LEASE_LOOK_S
 
     # --- the loop ---------------------------------------------------------------
 
@@ -118,12 +120,7 @@ class Scheduler:
 
     def _observe_demand(self, now: float) -> None:
         """Concurrency per (pool, template), leased plus waiting: the peak sizes warm pools."""
-        demand: dict[tuple[str, str], int] = {}
-        for entry in self.view.sandboxes.values():
-            if entry.state in ASSIGNED:
-                demand[(entry.pool, entry.template)] = (
-                    demand.get((entry.pool, entry.template), 0) + 1
-                )
+        demand = {key: n for key, n in self.view.assigned.items() if n}
         for req in self.queues.waiting():
             demand[(req.pool, req.template)] = demand.get((req.pool, req.template), 0) + 1
         for pool, params in self.config.pools.items():
@@ -148,9 +145,13 @@ class Scheduler:
                 booting=self.cloud.booting(set(self.view.nodes)),
                 idle_release_s=self.cloud.idle_release_s,
             )
+        # leased sandboxes matter only to lease-idle freezing: a look every few seconds
+        with_leased = now >= self.leases_looked_at + LEASE_LOOK_S
+        if with_leased:
+            self.leases_looked_at = now
         return Snapshot(
             nodes=self.view.node_snaps(now),
-            sandboxes=self.view.sandbox_snaps(),
+            sandboxes=self.view.sandbox_snaps(with_leased),
             requests=requests,
             templates=templates,
             peaks=self.peaks.peaks(now),
@@ -196,16 +197,13 @@ class Scheduler:
     def _account_alive(self, now: float) -> None:
         elapsed = now - self.alive_accounted_at
         self.alive_accounted_at = now
-        alive: dict[tuple[str, str], int] = {}
-        for entry in self.view.sandboxes.values():
-            if entry.state in OCCUPYING:
-                node = self.view.nodes.get(entry.node)
-                key = (entry.pool, node.kind if node else "local")
-                alive[key] = alive.get(key, 0) + 1
-        for (pool, kind), n in alive.items():
-            self.metrics.alive_seconds.labels(pool).inc(n * elapsed)
-            # cloud sandbox-seconds cost more: counted apart
-            self.metrics.sandbox_node_seconds.labels(pool, kind).inc(n * elapsed)
+        for (pool, node_id), n in self.view.occupying.items():
+            if n:
+                node = self.view.nodes.get(node_id)
+                self.metrics.alive_seconds.labels(pool).inc(n * elapsed)
+                # cloud sandbox-seconds cost more: counted apart
+                kind = node.kind if node else "local"
+                self.metrics.sandbox_node_seconds.labels(pool, kind).inc(n * elapsed)
 
     # --- applying actions ---------------------------------------------------------
 
@@ -229,7 +227,7 @@ class Scheduler:
             memory_mb=template.memory_mb,
             reserved_for=action.for_request,
         )
-        self.view.sandboxes[entry.id] = entry
+        self.view.add(entry)
         if action.for_request is not None:
             self.reservations[action.for_request] = entry.id
         kind = "overflow" if node.kind == "cloud" else "create"
@@ -250,7 +248,7 @@ class Scheduler:
         now = self.clock.now()
         entry.op_in_flight = False
         if result.ok:
-            entry.move(SandboxState.WARM, now)
+            self.view.move(entry, SandboxState.WARM, now)
             entry.confirmed_at = now
         else:
             self._call_failed(entry, "create", result)
@@ -260,9 +258,9 @@ class Scheduler:
                 node.refused_until = now + self.config.refusal_cooldown_s
             if entry.reserved_for:
                 self.reservations.pop(entry.reserved_for, None)
-            entry.move(SandboxState.GONE, now)
+            self.view.move(entry, SandboxState.GONE, now)
             # no tombstone: if Docker did create it after all, the next heartbeat says so
-            self.view.sandboxes.pop(entry.id, None)
+            self.view.forget(entry.id, tombstone=False)
         self.wake()
 
     def _claim(self, action: Claim, now: float) -> None:
@@ -270,8 +268,8 @@ class Scheduler:
         entry = self.view.sandboxes.get(action.sandbox_id)
         if req is None or entry is None or req.done.done():
             return
-        entry.move(SandboxState.LEASED, now)
-        entry.pool = req.pool  # a higher-priority pool may have taken it over
+        self.view.move(entry, SandboxState.LEASED, now)
+        self.view.set_pool(entry, req.pool)  # a higher-priority pool may have taken it over
         entry.frozen_at = None
         entry.idle_since = now
         entry.lease_id = new_lease_id()
@@ -325,7 +323,7 @@ class Scheduler:
         if entry.op_in_flight:
             return None
         if entry.state != SandboxState.DESTROYING:
-            entry.move(SandboxState.DESTROYING, now)
+            self.view.move(entry, SandboxState.DESTROYING, now)
             self.metrics.scale_events.labels(entry.pool, action).inc()
         node = self.view.nodes.get(entry.node)
 
@@ -343,7 +341,7 @@ class Scheduler:
     def _on_destroyed(self, entry: SandboxEntry, result: CallResult) -> None:
         entry.op_in_flight = False
         if result.ok or result.status in (404, 410):
-            entry.move(SandboxState.GONE, self.clock.now())
+            self.view.move(entry, SandboxState.GONE, self.clock.now())
             self.view.forget(entry.id)
         else:
             self._call_failed(entry, "destroy", result)  # retried by a later tick
@@ -351,11 +349,10 @@ class Scheduler:
 
     def _retry_destroys(self) -> None:
         now = self.clock.now()
-        for entry in list(self.view.sandboxes.values()):
+        for entry in list(self.view.by_state[SandboxState.DESTROYING].values()):
             node = self.view.nodes.get(entry.node)
             if (
-                entry.state == SandboxState.DESTROYING
-                and not entry.op_in_flight
+                not entry.op_in_flight
                 and node is not None
                 and node.healthy
             ):
@@ -380,7 +377,7 @@ class Scheduler:
             entry.op_in_flight = False
             now = self.clock.now()
             if result.ok:
-                entry.move(new_state, now)
+                self.view.move(entry, new_state, now)
                 entry.confirmed_at = now
                 if verb == "pause":
                     entry.frozen_at = now
@@ -416,7 +413,7 @@ class Scheduler:
 
         async def run() -> None:
             await cloud.stop_node(node_id)
-            if any(e.node == node_id for e in self.view.sandboxes.values()):
+            if self.view.on_node(node_id):
                 node.draining = False  # something landed after all: keep it
                 return
             self.view.nodes.pop(node_id, None)

@@ -54,11 +54,6 @@ class SandboxEntry:
     idle_since: float | None = None  # when its client last ran a command (from heartbeats)
     frozen_at: float | None = None  # when it was first frozen
 
-    def move(self, target: SandboxState, now: float) -> None:
-        if target != self.state:
-            self.state = transition(self.state, target)
-            self.since = now
-
     @property
     def needs(self) -> Resources:
         return Resources(self.cpus, self.memory_mb, 1)
@@ -74,37 +69,87 @@ class ReportChanges:
 
 
 class ClusterView:
+    """Nodes and sandboxes, with running totals kept as they change.
+
+    Every change of a sandbox goes through add, move, set_pool and forget, which keep
+    the totals (use per node, sandboxes per node, counts per pool) and an index of
+    sandboxes by state. A tick then costs in proportion to the sandboxes it may act on
+    (the unassigned ones) and the nodes, not to every sandbox in the cluster.
+    """
+
     def __init__(self, confirm_grace_s: float) -> None:
         self.nodes: dict[str, NodeEntry] = {}
-        self.sandboxes: dict[str, SandboxEntry] = {}
+        self.sandboxes: dict[str, SandboxEntry] = {}  # read freely; change through methods
         self.released: OrderedDict[str, None] = OrderedDict()
         # A report can be older than the latest confirmed outcome: leave alone what was
         # confirmed within this long.
         self.confirm_grace_s = confirm_grace_s
+        self.by_state: dict[SandboxState, dict[str, SandboxEntry]] = {s: {} for s in SandboxState}
+        self._used: dict[str, list[float]] = {}  # node -> [cpus, memory_mb, slots] occupied
+        self._by_node: dict[str, dict[str, SandboxEntry]] = {}  # of any state
+        # (pool, node) -> occupying sandboxes; (pool, template) -> leased ones
+        self.occupying: dict[tuple[str, str], int] = {}
+        self.assigned: dict[tuple[str, str], int] = {}
+
+    def _count(self, entry: SandboxEntry, sign: int) -> None:
+        if entry.state in OCCUPYING:
+            acc = self._used.setdefault(entry.node, [0.0, 0, 0])
+            acc[0] += sign * entry.cpus
+            acc[1] += sign * entry.memory_mb
+            acc[2] += sign
+            key = (entry.pool, entry.node)
+            self.occupying[key] = self.occupying.get(key, 0) + sign
+        if entry.state in ASSIGNED:
+            key = (entry.pool, entry.template)
+            self.assigned[key] = self.assigned.get(key, 0) + sign
+
+    def add(self, entry: SandboxEntry) -> None:
+        self.sandboxes[entry.id] = entry
+        self.by_state[entry.state][entry.id] = entry
+        self._by_node.setdefault(entry.node, {})[entry.id] = entry
+        self._count(entry, +1)
+
+    def move(self, entry: SandboxEntry, target: SandboxState, now: float) -> None:
+        """The one way a sandbox changes state: checked against the state machine."""
+        if target == entry.state:
+            return
+        transition(entry.state, target)
+        self._count(entry, -1)
+        del self.by_state[entry.state][entry.id]
+        entry.state, entry.since = target, now
+        self.by_state[target][entry.id] = entry
+        self._count(entry, +1)
+
+    def set_pool(self, entry: SandboxEntry, pool: str) -> None:
+        """A sandbox taken over by another pool (a higher priority one)."""
+        self._count(entry, -1)
+        entry.pool = pool
+        self._count(entry, +1)
+
+    def forget(self, sandbox_id: str, tombstone: bool = True) -> SandboxEntry | None:
+        """Drop a sandbox; with a tombstone, late calls about it learn it was released."""
+        entry = self.sandboxes.pop(sandbox_id, None)
+        if entry is not None:
+            del self.by_state[entry.state][entry.id]
+            del self._by_node[entry.node][entry.id]
+            self._count(entry, -1)
+        if tombstone:
+            self.released[sandbox_id] = None
+            while len(self.released) > TOMBSTONES:
+                self.released.popitem(last=False)
+        return entry
 
     def used_by_node(self) -> dict[str, Resources]:
-        """What the occupying sandboxes take on each node, in one pass (plain sums:
-        a Resources per sandbox would cost several times the loop at scale)."""
-        sums: dict[str, list[float]] = {}
-        for s in self.sandboxes.values():
-            if s.state in OCCUPYING:
-                acc = sums.get(s.node)
-                if acc is None:
-                    acc = sums[s.node] = [0.0, 0, 0]
-                acc[0] += s.cpus
-                acc[1] += s.memory_mb
-                acc[2] += 1
-        return {node: Resources(c, int(m), int(n)) for node, (c, m, n) in sums.items()}
+        return {
+            node: Resources(c, int(m), int(n)) for node, (c, m, n) in self._used.items() if n
+        }
 
     def used(self, node_id: str) -> Resources:
-        return self.used_by_node().get(node_id, Resources())
+        c, m, n = self._used.get(node_id, (0.0, 0, 0))
+        return Resources(c, int(m), int(n))
 
-    def forget(self, sandbox_id: str) -> SandboxEntry | None:
-        entry = self.sandboxes.pop(sandbox_id, None)
-        self.released[sandbox_id] = None
-        while len(self.released) > TOMBSTONES:
-            self.released.popitem(last=False)
-        return entry
+    def on_node(self, node_id: str) -> list[SandboxEntry]:
+        return list(self._by_node.get(node_id, {}).values())
 
     def apply_report(self, report: NodeReport, now: float) -> ReportChanges:
         changes = ReportChanges()
@@ -130,7 +175,7 @@ class ClusterView:
             if entry is None:
                 if sb.id not in self.released:
                     entry = self._entry_from_report(report.node_id, sb, now)
-                    self.sandboxes[sb.id] = entry
+                    self.add(entry)
                     changes.added.append(entry)
                     changes.busy_s[sb.pool] = changes.busy_s.get(sb.pool, 0.0) + sb.busy_s
                 continue
@@ -142,14 +187,13 @@ class ClusterView:
             if entry.op_in_flight or now - entry.confirmed_at < self.confirm_grace_s:
                 continue
             if entry.state != sb.state and sb.state != SandboxState.CREATING:
-                entry.move(sb.state, now)
+                self.move(entry, sb.state, now)
                 entry.lease_id = sb.lease_id
             entry.frozen_at = None if sb.frozen_s is None else now - sb.frozen_s
             entry.confirmed_at = now
-        for entry in list(self.sandboxes.values()):
+        for entry in self.on_node(report.node_id):
             if (
-                entry.node != report.node_id
-                or entry.id in reported
+                entry.id in reported
                 or entry.op_in_flight
                 or entry.state == SandboxState.CREATING
                 or now - entry.confirmed_at < self.confirm_grace_s
@@ -157,7 +201,7 @@ class ClusterView:
                 continue
             # the node no longer has it: an agent restart that could not adopt it
             if entry.state in ASSIGNED or entry.state == SandboxState.LOST:
-                entry.move(SandboxState.LOST, now)
+                self.move(entry, SandboxState.LOST, now)
             else:
                 self.forget(entry.id)
             changes.vanished.append(entry)
@@ -190,18 +234,16 @@ class ClusterView:
             alive = now - node.last_seen <= timeout_s
             if node.healthy and not alive:
                 newly_down.append(node)
-                for entry in self.sandboxes.values():
-                    if entry.node == node.id and entry.state not in TERMINAL:
-                        entry.move(SandboxState.LOST, now)
+                for entry in self.on_node(node.id):
+                    if entry.state not in TERMINAL:
+                        self.move(entry, SandboxState.LOST, now)
             node.healthy = alive
         return newly_down
 
     def node_snaps(self, now: float) -> tuple[NodeSnap, ...]:
-        used = self.used_by_node()
-        holding = {s.node for s in self.sandboxes.values()}
         snaps = []
         for n in self.nodes.values():
-            if n.id in holding:
+            if self._by_node.get(n.id):
                 n.empty_since = None
             elif n.empty_since is None:
                 n.empty_since = now
@@ -211,7 +253,7 @@ class ClusterView:
                     n.kind,
                     n.healthy and not n.draining,
                     n.capacity,
-                    used.get(n.id, Resources()),
+                    self.used(n.id),
                     n.images,
                     accepting=now >= n.refused_until,
                     empty_since=n.empty_since,
@@ -219,19 +261,28 @@ class ClusterView:
             )
         return tuple(snaps)
 
-    def sandbox_snaps(self) -> tuple[SandboxSnap, ...]:
-        return tuple(
-            SandboxSnap(
-                s.id,
-                s.node,
-                s.pool,
-                s.template,
-                s.state,
-                s.since,
-                s.reserved_for,
-                idle_since=s.idle_since,
-                frozen_at=s.frozen_at,
-            )
-            for s in self.sandboxes.values()
-            if not s.op_in_flight or s.state == SandboxState.CREATING
-        )
+    def sandbox_snaps(self, with_leased: bool) -> tuple[SandboxSnap, ...]:
+        """The sandboxes the policy may act on: unassigned ones (to claim, freeze, age)
+        and creates under way; leased ones too when `with_leased` (for lease-idle
+        freezing, which needs no more than a look every few seconds)."""
+        states = [SandboxState.WARM, SandboxState.PAUSED, SandboxState.HIBERNATED]
+        if with_leased:
+            states.append(SandboxState.LEASED)
+        snaps = [_snap(s) for s in self.by_state[SandboxState.CREATING].values()]
+        for state in states:
+            snaps.extend(_snap(s) for s in self.by_state[state].values() if not s.op_in_flight)
+        return tuple(snaps)
+
+
+def _snap(s: SandboxEntry) -> SandboxSnap:
+    return SandboxSnap(
+        s.id,
+        s.node,
+        s.pool,
+        s.template,
+        s.state,
+        s.since,
+        s.reserved_for,
+        idle_since=s.idle_since,
+        frozen_at=s.frozen_at,
+    )
