@@ -26,6 +26,9 @@ class ControlPlaneConfig(BaseModel):
     pools: dict[Name, PoolParams] = Field(default_factory=lambda: {"default": PoolParams()})
     templates: dict[Name, TemplateSpec] = Field(default_factory=default_templates)
     tick_s: float = Field(0.25, gt=0, le=60, description="the policy also runs on every event")
+    min_tick_gap_s: float = Field(
+        0.0, ge=0, le=1, description="events closer than this are decided in one tick"
+    )
     heartbeat_timeout_s: float = Field(5.0, gt=0, le=3600)
     refusal_cooldown_s: float = Field(
         5.0, ge=0, le=3600, description="no placements on a node this long after it refused one"

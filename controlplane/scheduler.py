@@ -13,9 +13,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import secrets
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable
 
 from controlplane.cloud import CloudProvider
 from controlplane.config import ControlPlaneConfig
@@ -23,6 +24,7 @@ from controlplane.gateway import AgentGateway, CallResult
 from controlplane.metrics import ControlPlaneMetrics
 from controlplane.queue import PendingRequest, RequestQueues
 from controlplane.view import TOMBSTONES, ClusterView, SandboxEntry
+from dsec.baselines import Policy, make_policy
 from dsec.clock import Clock
 from dsec.httpkit import ApiError
 from dsec.models import (
@@ -50,12 +52,10 @@ from dsec.policy import (
     TemplateSnap,
     Thaw,
 )
-from dsec.policy import decide as policy_decide
 from dsec.states import ASSIGNED, SandboxState
 from dsec.tokens import lease_token, new_lease_id
 
 log = logging.getLogger(__name__)
-LEASE_LOOK_S = 2.0
 
 
 class Scheduler:
@@ -68,7 +68,7 @@ class Scheduler:
         clock: Clock,
         metrics: ControlPlaneMetrics,
         cloud: CloudProvider | None = None,
-        decide: Callable[..., list[Action]] = policy_decide,
+        policy: Policy | None = None,
     ) -> None:
         self.config = config
         self.view = view
@@ -76,7 +76,7 @@ class Scheduler:
         self.gateway = gateway
         self.clock = clock
         self.metrics = metrics
-        self.decide = decide
+        self.policy = policy or make_policy(config.policy)
         self.cloud = cloud
         self.peaks = PeakTracker(config.peak_window_s)
         self.requests: dict[str, PendingRequest] = {}
@@ -90,7 +90,7 @@ class Scheduler:
         self.reservations: dict[str, str] = {}  # request id -> the sandbox created for it
         self.ticks = 0
         self.alive_accounted_at = clock.now()
-        self.leases_looked_at = -LEASE_LOOK_S
+        self.leases_looked_at = -math.inf
 
     # --- the loop ---------------------------------------------------------------
 
@@ -106,6 +106,10 @@ class Scheduler:
                 self.tick()
             except Exception:  # a bug must not stop the pool: log it, tick again
                 log.exception("tick failed")
+            if self.config.min_tick_gap_s:
+                # events closer than this share one tick: the cost of a tick is bounded
+                # per second, whatever the event rate
+                await asyncio.sleep(self.config.min_tick_gap_s)
 
     def tick(self) -> None:
         now = self.clock.now()
@@ -115,7 +119,7 @@ class Scheduler:
         for node in self.view.mark_silent_nodes(now, self.config.heartbeat_timeout_s):
             log.warning("node %s missed heartbeats: out of placement", node.id)
         self._retry_destroys()
-        actions = self.decide(self.snapshot(now), self.config.pools, now)
+        actions = self.policy.decide(self.snapshot(now), self.config.pools, now)
         self.apply(actions, now)
 
     def _observe_demand(self, now: float) -> None:
@@ -145,16 +149,22 @@ class Scheduler:
                 booting=self.cloud.booting(set(self.view.nodes)),
                 idle_release_s=self.cloud.idle_release_s,
             )
-        # leased sandboxes matter only to lease-idle freezing: a look every few seconds
-        with_leased = now >= self.leases_looked_at + LEASE_LOOK_S
-        if with_leased:
+        # leases matter only to lease-idle freezing: a look every few seconds, at those
+        # idle for long enough in the most eager pool
+        leases_idle_since = None
+        eagerest = min(p.lease_idle_freeze_s for p in self.config.pools.values())
+        # a look every tenth of the timer (0.5 to 10 s): a scan of every lease at most
+        # that often, for a freeze at most that late
+        if now >= self.leases_looked_at + max(0.5, min(10.0, eagerest / 10)):
             self.leases_looked_at = now
+            leases_idle_since = now - eagerest
         return Snapshot(
             nodes=self.view.node_snaps(now),
-            sandboxes=self.view.sandbox_snaps(with_leased),
+            sandboxes=self.view.sandbox_snaps(leases_idle_since),
             requests=requests,
             templates=templates,
             peaks=self.peaks.peaks(now),
+            leased={key: n for key, n in self.view.assigned.items() if n},
             cloud=cloud,
             seed=self.ticks,
         )
@@ -197,13 +207,12 @@ class Scheduler:
     def _account_alive(self, now: float) -> None:
         elapsed = now - self.alive_accounted_at
         self.alive_accounted_at = now
-        for (pool, node_id), n in self.view.occupying.items():
-            if n:
-                node = self.view.nodes.get(node_id)
-                self.metrics.alive_seconds.labels(pool).inc(n * elapsed)
-                # cloud sandbox-seconds cost more: counted apart
-                kind = node.kind if node else "local"
-                self.metrics.sandbox_node_seconds.labels(pool, kind).inc(n * elapsed)
+        for (pool, kind), n in self.view.occupying.items():
+            if not n:
+                continue
+            self.metrics.alive_seconds.labels(pool).inc(n * elapsed)
+            # cloud sandbox-seconds cost more: counted apart
+            self.metrics.sandbox_node_seconds.labels(pool, kind).inc(n * elapsed)
 
     # --- applying actions ---------------------------------------------------------
 
@@ -254,8 +263,8 @@ class Scheduler:
             self._call_failed(entry, "create", result)
             if entry.reserved_for and (req := self.requests.get(entry.reserved_for)):
                 req.refused_by.add(entry.node)  # the agent's refusal is final for that node
-            if result.refused and (node := self.view.nodes.get(entry.node)):
-                node.refused_until = now + self.config.refusal_cooldown_s
+            if result.refused:
+                self.view.refuse(entry.node, now + self.config.refusal_cooldown_s)
             if entry.reserved_for:
                 self.reservations.pop(entry.reserved_for, None)
             self.view.move(entry, SandboxState.GONE, now)
@@ -408,15 +417,15 @@ class Scheduler:
         node = self.view.nodes.get(node_id)
         if self.cloud is None or node is None or node.draining:
             return
-        node.draining = True  # no placements while it goes
+        self.view.set_draining(node_id, True)  # no placements while it goes
         cloud = self.cloud
 
         async def run() -> None:
             await cloud.stop_node(node_id)
             if self.view.on_node(node_id):
-                node.draining = False  # something landed after all: keep it
+                self.view.set_draining(node_id, False)  # something landed after all: keep it
                 return
-            self.view.nodes.pop(node_id, None)
+            self.view.drop_node(node_id)
             log.info("released cloud node %s", node_id)
 
         self._track(asyncio.ensure_future(run()))

@@ -87,17 +87,23 @@ class ClusterView:
         self.by_state: dict[SandboxState, dict[str, SandboxEntry]] = {s: {} for s in SandboxState}
         self._used: dict[str, list[float]] = {}  # node -> [cpus, memory_mb, slots] occupied
         self._by_node: dict[str, dict[str, SandboxEntry]] = {}  # of any state
-        # (pool, node) -> occupying sandboxes; (pool, template) -> leased ones
+        # (pool, node kind) -> occupying sandboxes; (pool, template) -> leased ones
         self.occupying: dict[tuple[str, str], int] = {}
         self.assigned: dict[tuple[str, str], int] = {}
+        # NodeSnaps are rebuilt only for nodes that changed since the last snapshot
+        self._node_snaps: dict[str, NodeSnap] = {}
+        self._dirty_nodes: set[str] = set()
+        self._refusing: dict[str, float] = {}  # node -> until when it refuses placements
 
     def _count(self, entry: SandboxEntry, sign: int) -> None:
+        self._dirty_nodes.add(entry.node)
         if entry.state in OCCUPYING:
             acc = self._used.setdefault(entry.node, [0.0, 0, 0])
             acc[0] += sign * entry.cpus
             acc[1] += sign * entry.memory_mb
             acc[2] += sign
-            key = (entry.pool, entry.node)
+            node = self.nodes.get(entry.node)
+            key = (entry.pool, node.kind if node else "local")
             self.occupying[key] = self.occupying.get(key, 0) + sign
         if entry.state in ASSIGNED:
             key = (entry.pool, entry.template)
@@ -148,6 +154,18 @@ class ClusterView:
         c, m, n = self._used.get(node_id, (0.0, 0, 0))
         return Resources(c, int(m), int(n))
 
+    def refuse(self, node_id: str, until: float) -> None:
+        """No placements on this node until then: it refused one."""
+        if node := self.nodes.get(node_id):
+            node.refused_until = until
+            self._refusing[node_id] = until
+            self._dirty_nodes.add(node_id)
+
+    def set_draining(self, node_id: str, draining: bool) -> None:
+        if node := self.nodes.get(node_id):
+            node.draining = draining
+            self._dirty_nodes.add(node_id)
+
     def on_node(self, node_id: str) -> list[SandboxEntry]:
         return list(self._by_node.get(node_id, {}).values())
 
@@ -165,6 +183,7 @@ class ClusterView:
             incarnation=report.incarnation,
             last_seen=now,
         )
+        self._dirty_nodes.add(node.id)
         if previous is not None:
             node.refused_until = previous.refused_until
             node.empty_since = previous.empty_since
@@ -232,6 +251,8 @@ class ClusterView:
         newly_down = []
         for node in self.nodes.values():
             alive = now - node.last_seen <= timeout_s
+            if node.healthy != alive:
+                self._dirty_nodes.add(node.id)
             if node.healthy and not alive:
                 newly_down.append(node)
                 for entry in self.on_node(node.id):
@@ -241,36 +262,51 @@ class ClusterView:
         return newly_down
 
     def node_snaps(self, now: float) -> tuple[NodeSnap, ...]:
-        snaps = []
-        for n in self.nodes.values():
+        for node_id, until in list(self._refusing.items()):
+            if now >= until:  # its refusal has run out
+                del self._refusing[node_id]
+                self._dirty_nodes.add(node_id)
+        for node_id in self._dirty_nodes:
+            n = self.nodes.get(node_id)
+            if n is None:
+                self._node_snaps.pop(node_id, None)
+                continue
             if self._by_node.get(n.id):
                 n.empty_since = None
             elif n.empty_since is None:
                 n.empty_since = now
-            snaps.append(
-                NodeSnap(
-                    n.id,
-                    n.kind,
-                    n.healthy and not n.draining,
-                    n.capacity,
-                    self.used(n.id),
-                    n.images,
-                    accepting=now >= n.refused_until,
-                    empty_since=n.empty_since,
-                )
+            self._node_snaps[node_id] = NodeSnap(
+                n.id,
+                n.kind,
+                n.healthy and not n.draining,
+                n.capacity,
+                self.used(n.id),
+                n.images,
+                accepting=now >= n.refused_until,
+                empty_since=n.empty_since,
             )
-        return tuple(snaps)
+        self._dirty_nodes.clear()
+        return tuple(self._node_snaps.values())
 
-    def sandbox_snaps(self, with_leased: bool) -> tuple[SandboxSnap, ...]:
-        """The sandboxes the policy may act on: unassigned ones (to claim, freeze, age)
-        and creates under way; leased ones too when `with_leased` (for lease-idle
-        freezing, which needs no more than a look every few seconds)."""
-        states = [SandboxState.WARM, SandboxState.PAUSED, SandboxState.HIBERNATED]
-        if with_leased:
-            states.append(SandboxState.LEASED)
+    def drop_node(self, node_id: str) -> None:
+        self.nodes.pop(node_id, None)
+        self._dirty_nodes.add(node_id)
+
+    def sandbox_snaps(self, leases_idle_since: float | None) -> tuple[SandboxSnap, ...]:
+        """The sandboxes the policy may act on: unassigned ones (to claim, freeze, age),
+        creates under way, and leases idle since `leases_idle_since` or longer (for
+        lease-idle freezing; None leaves leases out)."""
         snaps = [_snap(s) for s in self.by_state[SandboxState.CREATING].values()]
-        for state in states:
+        for state in (SandboxState.WARM, SandboxState.PAUSED, SandboxState.HIBERNATED):
             snaps.extend(_snap(s) for s in self.by_state[state].values() if not s.op_in_flight)
+        if leases_idle_since is not None:
+            snaps.extend(
+                _snap(s)
+                for s in self.by_state[SandboxState.LEASED].values()
+                if not s.op_in_flight
+                and s.idle_since is not None
+                and s.idle_since <= leases_idle_since
+            )
         return tuple(snaps)
 
 

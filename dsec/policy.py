@@ -46,7 +46,10 @@ SAMPLE_ABOVE = 16
 SAMPLE_SIZE = 4
 
 
-@dataclass(frozen=True)
+# Snapshot types are values: built once per tick, never changed. They are not frozen
+# only because frozen dataclasses cost several times more to build, and a tick at
+# thousands of nodes builds many.
+@dataclass(slots=True)
 class Resources:
     cpus: float = 0.0
     memory_mb: int = 0
@@ -73,7 +76,7 @@ class Resources:
         )
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class NodeSnap:
     id: str
     kind: str  # "local" or "cloud"
@@ -98,7 +101,7 @@ class TemplateSnap:
         return Resources(self.cpus, self.memory_mb, 1)
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class SandboxSnap:
     id: str
     node: str
@@ -111,7 +114,7 @@ class SandboxSnap:
     frozen_at: float | None = None  # paused or hibernated: when it was first frozen
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class RequestSnap:
     id: str
     pool: str
@@ -138,6 +141,8 @@ class Snapshot:
     templates: Mapping[str, TemplateSnap]
     # recent peak of leased sandboxes per (pool, template): sizes the warm pool
     peaks: Mapping[tuple[str, str], int] = field(default_factory=dict)
+    # leased sandboxes now per (pool, template): what replica-counting baselines scale on
+    leased: Mapping[tuple[str, str], int] = field(default_factory=dict)
     cloud: CloudSnap | None = None
     seed: int = 0  # varies sampling between ticks while keeping decide() deterministic
 
@@ -218,7 +223,7 @@ def _seed(*parts: object) -> int:
     return int.from_bytes(hashlib.blake2b(repr(parts).encode(), digest_size=8).digest(), "big")
 
 
-class _Placement:
+class Placement:
     """Capacity as this decision uses it up, so one tick never overbooks a node."""
 
     def __init__(self, nodes: Iterable[NodeSnap], seed: int) -> None:
@@ -226,27 +231,40 @@ class _Placement:
         self.extra: dict[str, Resources] = {}
         self.seed = seed
         self.unplaced_overflow = 0  # creates that wanted a cloud node and found none
+        local = [n for n in self.nodes.values() if n.kind == "local" and n.healthy]
+        self.local_capacity = Resources(
+            sum(n.capacity.cpus for n in local),
+            sum(n.capacity.memory_mb for n in local),
+            sum(n.capacity.slots for n in local),
+        )
+        self.local_used = Resources(
+            sum(n.used.cpus for n in local),
+            sum(n.used.memory_mb for n in local),
+            sum(n.used.slots for n in local),
+        )
 
     def used(self, node: NodeSnap) -> Resources:
-        return node.used + self.extra.get(node.id, Resources())
+        extra = self.extra.get(node.id)
+        return node.used + extra if extra else node.used
 
     def local_utilisation(self) -> float:
-        local = [n for n in self.nodes.values() if n.kind == "local" and n.healthy]
-        if not local:
+        if not self.local_capacity.slots:
             return 1.0
-        cap = sum((n.capacity for n in local), Resources())
-        return sum((self.used(n) for n in local), Resources()).ratio_of(cap)
+        return self.local_used.ratio_of(self.local_capacity)
 
     def feasible(self, kind: str, needs: Resources, excluded: frozenset[str]) -> list[NodeSnap]:
-        return [
-            n
-            for n in self.nodes.values()
-            if n.kind == kind
-            and n.healthy
-            and n.accepting
-            and n.id not in excluded
-            and (self.used(n) + needs).fits_in(n.capacity)
-        ]
+        found = []
+        for n in self.nodes.values():
+            if n.kind != kind or not n.healthy or not n.accepting or n.id in excluded:
+                continue
+            used, cap = self.used(n), n.capacity  # inline: this runs per node per create
+            if (
+                used.slots + needs.slots <= cap.slots
+                and used.cpus + needs.cpus <= cap.cpus + 1e-9
+                and used.memory_mb + needs.memory_mb <= cap.memory_mb
+            ):
+                found.append(n)
+        return found
 
     def place(
         self,
@@ -283,6 +301,8 @@ class _Placement:
             ),
         )
         self.extra[best.id] = self.extra.get(best.id, Resources()) + needs
+        if best.kind == "local" and best.healthy:
+            self.local_used = self.local_used + needs
         return best
 
 
@@ -293,7 +313,7 @@ class _Decision:
         self.now = now
         self.actions: list[Action] = []
         self.nodes = {n.id: n for n in snapshot.nodes}
-        self.placement = _Placement(snapshot.nodes, snapshot.seed)
+        self._placement: Placement | None = None
         # unassigned sandboxes by (pool, template) and state, oldest first
         self.free: dict[tuple[str, str, SandboxState], list[SandboxSnap]] = {}
         self.reserved: dict[str, SandboxSnap] = {}
@@ -325,6 +345,13 @@ class _Decision:
             key: self.count(key, S.WARM) + self.count(key, S.PAUSED)
             for key in {*self.pending, *((p, t) for p, t, _ in self.free)}
         }
+
+    @property
+    def placement(self) -> Placement:
+        """Built on first use: most ticks place nothing."""
+        if self._placement is None:
+            self._placement = Placement(self.snap.nodes, self.snap.seed)
+        return self._placement
 
     def count(self, key: tuple[str, str], state: SandboxState) -> int:
         return len(self.free.get((*key, state), []))
@@ -476,7 +503,8 @@ class _Decision:
         if cloud is None:
             return
         cloud_nodes = [n for n in self.snap.nodes if n.kind == "cloud"]
-        if self.placement.unplaced_overflow and cloud.booting == 0:
+        unplaced = self._placement.unplaced_overflow if self._placement else 0
+        if unplaced and cloud.booting == 0:
             if len(cloud_nodes) + cloud.booting < cloud.max_nodes:
                 self.actions.append(
                     ProvisionCloud(1, "local utilisation past the overflow threshold")

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from controlplane.view import ClusterView, SandboxEntry
+from controlplane.view import ClusterView, NodeEntry, SandboxEntry
 from dsec.policy import Resources
 from dsec.states import ASSIGNED, OCCUPYING, TRANSITIONS, IllegalTransition, SandboxState
 
@@ -18,7 +18,8 @@ def recount(view: ClusterView) -> tuple[dict, dict, dict]:
     for e in view.sandboxes.values():
         if e.state in OCCUPYING:
             used[e.node] = used.get(e.node, Resources()) + Resources(e.cpus, e.memory_mb, 1)
-            occupying[(e.pool, e.node)] = occupying.get((e.pool, e.node), 0) + 1
+            kind = "cloud" if e.node == "n3" else "local"
+            occupying[(e.pool, kind)] = occupying.get((e.pool, kind), 0) + 1
         if e.state in ASSIGNED:
             assigned[(e.pool, e.template)] = assigned.get((e.pool, e.template), 0) + 1
     return used, occupying, assigned
@@ -27,6 +28,10 @@ def recount(view: ClusterView) -> tuple[dict, dict, dict]:
 def test_running_totals_match_a_recount_through_random_changes():
     rng = random.Random(3)
     view = ClusterView(confirm_grace_s=1)
+    for i in range(4):
+        view.nodes[f"n{i}"] = NodeEntry(
+            f"n{i}", "cloud" if i == 3 else "local", "", Resources(8, 8, 8), frozenset(), "x", 0
+        )
     edges: dict[SandboxState, list[SandboxState]] = {}
     for a, b in TRANSITIONS:
         edges.setdefault(a, []).append(b)

@@ -1,0 +1,247 @@
+"""Replay a trace in virtual time through the control plane's own scheduler.
+
+The pieces are the live ones: `controlplane.scheduler.Scheduler` with its view,
+queues and metrics, the same policy objects (`dsec.baselines.make_policy`), and
+`Scheduler.acquire` / `Scheduler.release`, which the HTTP handlers call live. What
+is simulated: time (a virtual-time event loop), the agents and Docker (durations
+drawn from a profile), and the network between them (none). Deterministic for a
+given seed.
+
+An episode acquires at its arrival, holds its sandbox through its steps, and
+releases it. Steps are not one event each: think and exec times are added up into
+one hold, except a think long enough for lease-idle freezing, which is played out so
+the policy sees the lease idle and the next exec pays the thaw, as live.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import Callable
+
+from bench.records import EpisodeRecord, RunResult, TimelineSample
+from bench.sim.agents import SimAgents
+from bench.sim.loop import VirtualClock, VirtualTimeLoop
+from bench.sim.profile import Profile
+from controlplane.config import ControlPlaneConfig
+from controlplane.metrics import ControlPlaneMetrics
+from controlplane.queue import RequestQueues
+from controlplane.scheduler import Scheduler
+from controlplane.view import ClusterView
+from dsec.baselines import make_policy
+from dsec.httpkit import ApiError
+from dsec.models import AcquireRequest, Capacity, NodeReport, PoolParams, Usage
+from dsec.policy import Resources
+from dsec.states import ASSIGNED, OCCUPYING, SandboxState
+from dsec.trace import Episode
+
+SIM_TOKEN = "simulated-agent-token-0000"
+ACQUIRE_TIMEOUT_S = 3600.0
+
+
+def simulate(
+    episodes: list[Episode],
+    *,
+    policy: str = "dsec",
+    nodes: int = 3,
+    slots_per_node: int = 64,
+    cloud_nodes: int = 0,
+    seed: int = 0,
+    time_scale: float = 1.0,
+    params: PoolParams | None = None,
+    profile: Profile | None = None,
+    shared_engine: bool = False,
+    tick_s: float = 0.25,
+    min_tick_gap_s: float = 0.0,
+    sample_s: float = 1.0,
+    horizon_s: float | None = None,
+    trace_name: str = "",
+    progress: bool | Callable[[float], None] = False,
+) -> RunResult:
+    """Play `episodes` against `nodes` simulated nodes (plus `cloud_nodes` cloud ones,
+    present from the start) under `policy`; every pool the trace names gets `params`.
+    With `horizon_s`, stop at that simulated time: episodes still running then are
+    recorded unreleased."""
+    loop = VirtualTimeLoop()
+    try:
+        return loop.run_until_complete(
+            _simulate(
+                loop, episodes, policy=policy, nodes=nodes, slots_per_node=slots_per_node,
+                cloud_nodes=cloud_nodes, seed=seed, time_scale=time_scale,
+                params=params or PoolParams(), profile=profile or Profile.default(seed=seed),
+                shared_engine=shared_engine, tick_s=tick_s, min_tick_gap_s=min_tick_gap_s,
+                sample_s=sample_s,
+                horizon_s=horizon_s, trace_name=trace_name, progress=progress,
+            )
+        )  # fmt: skip
+    finally:
+        loop.close()
+
+
+async def _simulate(loop: VirtualTimeLoop, episodes: list[Episode], **o) -> RunResult:
+    started_wall = time.perf_counter()
+    clock = VirtualClock(loop)
+    rng = random.Random(o["seed"])
+    params: PoolParams = o["params"]
+    pool_names = sorted({e.pool for e in episodes} | {"default"})
+    config = ControlPlaneConfig(
+        admin_tokens=[SIM_TOKEN],
+        agent_token=SIM_TOKEN,
+        pools={name: params for name in pool_names},
+        tick_s=o["tick_s"],
+        min_tick_gap_s=o["min_tick_gap_s"],
+        heartbeat_timeout_s=60,
+        policy=o["policy"],
+    )
+    view = ClusterView(confirm_grace_s=0)
+    agents = SimAgents(o["profile"], rng, o["shared_engine"])
+    metrics = ControlPlaneMetrics()
+    scheduler = Scheduler(
+        config, view, RequestQueues(), agents, clock, metrics, policy=make_policy(o["policy"])
+    )
+    capacity = Capacity(cpus=1e4, memory_mb=1 << 40, slots=o["slots_per_node"])
+    template = config.templates["base"]
+    for i in range(o["nodes"] + o["cloud_nodes"]):
+        kind = "local" if i < o["nodes"] else "cloud"
+        node_id = f"{kind}-{i + 1}"
+        url = agents.add_node(
+            node_id, kind, Resources(capacity.cpus, capacity.memory_mb, capacity.slots)
+        )
+        view.apply_report(
+            NodeReport(node_id=node_id, kind=kind, url=url, capacity=capacity, usage=Usage(),
+                       images=[template.image], incarnation="sim"),
+            clock.now(),
+        )  # fmt: skip
+
+    records: list[EpisodeRecord] = []
+    timeline: list[TimelineSample] = []
+    busy = [0.0]
+    scale = o["time_scale"]
+    end_of_trace = max((e.arrival_s + e.lifetime_s) * scale for e in episodes) if episodes else 0
+    if o["horizon_s"] is not None:
+        end_of_trace = min(end_of_trace, o["horizon_s"])
+    report_progress = _progress(o["progress"], end_of_trace)
+
+    async def play(episode: Episode) -> None:
+        await asyncio.sleep(max(0.0, episode.arrival_s * scale - clock.now()))
+        record = EpisodeRecord(
+            episode=episode.episode, pool=episode.pool, template=episode.template,
+            arrival_s=episode.arrival_s * scale, requested_at_s=clock.now(),
+        )  # fmt: skip
+        records.append(record)
+        try:
+            lease = await scheduler.acquire(
+                AcquireRequest(pool=episode.pool, template=episode.template,
+                               priority=episode.priority, timeout_s=ACQUIRE_TIMEOUT_S)
+            )  # fmt: skip
+        except ApiError as e:
+            record.error = f"{e.code}: {e.message}"
+            return
+        record.acquired_at_s = clock.now()
+        record.schedule_ms, record.path, record.node = lease.schedule_ms, lease.path, lease.node
+        record.node_kind = agents.nodes[lease.node].kind
+        await hold(episode, lease.id, lease.node, record, params.lease_idle_freeze_s)
+        await scheduler.release(lease.id)
+        record.released_at_s = clock.now()
+
+    async def hold(episode, sandbox_id, node_id, record, freeze_after_s) -> None:
+        pending_s = 0.0  # think and exec not yet played out
+        for step in episode.steps:
+            think, work = step.think_s * scale, step.exec_s * scale
+            if think >= freeze_after_s:  # long enough for the policy to freeze the lease
+                await asyncio.sleep(pending_s + think)
+                pending_s = 0.0
+                record.idle_s += think
+                thawed = await agents.thaw_for_exec(node_id, sandbox_id)
+                entry = view.sandboxes.get(sandbox_id)
+                if thawed and entry is not None and entry.state == SandboxState.LEASED_PAUSED:
+                    # what the agent's next heartbeat tells the live control plane
+                    view.move(entry, SandboxState.LEASED, clock.now())
+            else:
+                pending_s += think
+                record.idle_s += think
+            took = work + o["profile"].draw("exec", rng)
+            record.exec_s.append(took)
+            record.busy_s += took
+            busy[0] += took
+            pending_s += took
+            entry = view.sandboxes.get(sandbox_id)
+            if entry is not None:
+                entry.idle_since = clock.now() + pending_s  # the agent reports the last exec
+        await asyncio.sleep(pending_s)
+
+    async def sample() -> None:
+        while True:
+            for node in view.nodes.values():
+                node.last_seen = clock.now()  # simulated agents never miss a heartbeat
+            by_state = {str(s): len(m) for s, m in view.by_state.items() if m}
+            leased = sum(len(view.by_state[s]) for s in ASSIGNED)
+            alive = sum(len(view.by_state[s]) for s in OCCUPYING)
+            depth = sum(scheduler.queues.depth(p) for p in pool_names)
+            timeline.append(TimelineSample(clock.now(), depth, by_state, leased, alive))
+            report_progress(clock.now())
+            await asyncio.sleep(o["sample_s"])
+
+    await agents.start()
+    ticking = asyncio.ensure_future(scheduler.run_forever())
+    sampling = asyncio.ensure_future(sample())
+    playing = asyncio.gather(*(play(e) for e in episodes))
+    try:
+        await asyncio.wait_for(playing, o["horizon_s"])
+    except TimeoutError:
+        pass  # the horizon: what still runs is left as it is
+    for task in (ticking, sampling, *scheduler.tasks):
+        task.cancel()  # at the horizon, what is in flight stays unfinished
+    await asyncio.gather(ticking, sampling, *scheduler.tasks, return_exceptions=True)
+    scheduler.tick()  # account the last stretch of sandbox-seconds
+    report_progress(None)
+
+    return RunResult(
+        records=sorted(records, key=lambda r: (r.arrival_s, r.episode)),
+        timeline=timeline,
+        sandbox_seconds=_by_label(metrics, "dsec_sandbox_node_seconds_total", "kind"),
+        busy_seconds=busy[0],
+        scale_events={
+            k: int(v) for k, v in _by_label(metrics, "dsec_scale_events_total", "action").items()
+        },
+        meta={
+            "trace": o["trace_name"], "policy": o["policy"],
+            "params": params.model_dump(), "mode": "sim", "seed": o["seed"],
+            "time_scale": scale, "nodes": o["nodes"], "cloud_nodes": o["cloud_nodes"],
+            "slots_per_node": o["slots_per_node"], "profile": o["profile"].source,
+            "shared_engine": o["shared_engine"],
+            "min_tick_gap_s": o["min_tick_gap_s"],
+            "wall_s": round(time.perf_counter() - started_wall, 3),
+            "simulated_s": round(clock.now(), 3),
+        },
+    )  # fmt: skip
+
+
+def _by_label(metrics: ControlPlaneMetrics, name: str, label: str) -> dict[str, float]:
+    totals: dict[str, float] = {"local": 0.0, "cloud": 0.0} if label == "kind" else {}
+    for family in metrics.registry.collect():
+        for sample in family.samples:
+            if sample.name == name:
+                key = sample.labels[label]
+                totals[key] = totals.get(key, 0.0) + sample.value
+    return totals
+
+
+def _progress(progress, total_s: float) -> Callable[[float | None], None]:
+    """A progress bar over simulated time (tqdm), a callback, or nothing."""
+    if callable(progress):
+        return lambda t: progress(t) if t is not None else None
+    if not progress:
+        return lambda t: None
+    from tqdm import tqdm
+
+    bar = tqdm(total=round(total_s), unit="sim s", desc="simulating", leave=False)
+
+    def update(t: float | None) -> None:
+        if t is None:
+            bar.close()
+        else:
+            bar.update(max(0, round(t) - bar.n))
+
+    return update

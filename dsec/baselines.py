@@ -1,0 +1,248 @@
+"""The policies dsec is compared with, behind the same interface as dsec's own.
+
+Each takes the same snapshot and returns the same actions, so the control plane and
+the simulator run any of them unchanged (`policy: cold | static | hpa | keda | kpa`).
+The autoscaler baselines count replicas (sandboxes of a pool and template, leased or
+not), hand out idle ones, and leave requests waiting until their next scaling step,
+as the controllers they imitate do; they never create for a single request.
+
+dsec's policy is a pure function. The baselines keep the state their controllers
+keep (when they last synced, a window of past observations), fed only from the
+snapshots and the `now` they are given: still no I/O and no clock.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from collections import deque
+from collections.abc import Mapping
+from typing import Protocol
+
+from dsec.models import PoolParams
+from dsec.policy import (
+    Action,
+    Claim,
+    Create,
+    Destroy,
+    Placement,
+    Snapshot,
+    decide,
+)
+from dsec.states import SandboxState as S
+
+Key = tuple[str, str]  # (pool, template)
+
+
+class Policy(Protocol):
+    name: str
+
+    def decide(
+        self, snapshot: Snapshot, pools: Mapping[str, PoolParams], now: float
+    ) -> list[Action]: ...
+
+
+class DsecPolicy:
+    name = "dsec"
+
+    def decide(self, snapshot: Snapshot, pools: Mapping[str, PoolParams], now: float):
+        return decide(snapshot, pools, now)
+
+
+class ColdPolicy:
+    """No pool at all: every request waits for a container created for it."""
+
+    name = "cold"
+
+    def decide(self, snapshot: Snapshot, pools: Mapping[str, PoolParams], now: float):
+        actions: list[Action] = []
+        placement = Placement(snapshot.nodes, snapshot.seed)
+        mine = {
+            sb.reserved_for: sb
+            for sb in snapshot.sandboxes
+            if sb.reserved_for and sb.state in (S.WARM, S.CREATING)
+        }
+        for req in sorted(snapshot.requests, key=lambda r: (-r.priority, r.arrived_at, r.id)):
+            sb = mine.get(req.id)
+            if sb is not None:
+                if sb.state == S.WARM:
+                    actions.append(Claim(req.id, sb.id, "cold", "its own container is ready"))
+                continue
+            template, params = snapshot.templates.get(req.template), pools.get(req.pool)
+            if template is None or params is None:
+                continue
+            node = placement.place(template, params.overflow_threshold, req.id, req.refused_by)
+            if node is not None:
+                actions.append(Create(node.id, req.pool, req.template, req.id, "cold: per request"))
+        # a container whose request left is not kept: there is no pool to keep it in
+        waiting = {r.id for r in snapshot.requests}
+        for sb in snapshot.sandboxes:
+            if sb.state == S.WARM and sb.reserved_for not in waiting:
+                actions.append(Destroy(sb.id, "cold: no pool to return it to"))
+        return actions
+
+
+class ReplicaPolicy(ABC):
+    """Shared by the autoscalers: serve from idle replicas, then move to `desired`."""
+
+    name = "replicas"
+
+    @abstractmethod
+    def desired(self, key: Key, params: PoolParams, state: dict, now: float) -> int:
+        """How many replicas of `key` the controller wants now."""
+
+    def decide(self, snapshot: Snapshot, pools: Mapping[str, PoolParams], now: float):
+        actions: list[Action] = []
+        idle: dict[Key, list] = {}
+        creating: dict[Key, int] = {}
+        for sb in sorted(snapshot.sandboxes, key=lambda s: (s.since, s.id)):
+            key = (sb.pool, sb.template)
+            if sb.state == S.WARM:
+                idle.setdefault(key, []).append(sb)
+            elif sb.state == S.CREATING:
+                creating[key] = creating.get(key, 0) + 1
+        pending: dict[Key, int] = {}
+        for req in sorted(snapshot.requests, key=lambda r: (-r.priority, r.arrived_at, r.id)):
+            key = (req.pool, req.template)
+            if idle.get(key):
+                sb = idle[key].pop(0)
+                actions.append(Claim(req.id, sb.id, "warm", f"{self.name}: an idle replica"))
+            else:
+                pending[key] = pending.get(key, 0) + 1
+        placement = Placement(snapshot.nodes, snapshot.seed)
+        keys = {*pending, *idle, *creating, *snapshot.leased}
+        keys |= {(p, t) for p, params in pools.items() for t in params.templates}
+        for key in sorted(keys):
+            params, template = pools.get(key[0]), snapshot.templates.get(key[1])
+            if params is None or template is None:
+                continue
+            observed = {
+                "leased": snapshot.leased.get(key, 0),
+                "idle": len(idle.get(key, [])),
+                "creating": creating.get(key, 0),
+                "pending": pending.get(key, 0),
+            }
+            current = observed["leased"] + observed["idle"] + observed["creating"]
+            observed["current"] = current
+            want = self.desired(key, params, observed, now)
+            for i in range(want - current):
+                node = placement.place(template, params.overflow_threshold, (key, now, i))
+                if node is None:
+                    break
+                actions.append(Create(node.id, key[0], key[1], None, f"{self.name}: scale up"))
+            surplus = min(current - want, len(idle.get(key, [])))  # never a busy one
+            for sb in idle.get(key, [])[: max(0, surplus)]:
+                actions.append(Destroy(sb.id, f"{self.name}: scale down"))
+        return actions
+
+
+class StaticPolicy(ReplicaPolicy):
+    """A fixed pool of min_warm sandboxes, replaced as they are released."""
+
+    name = "static"
+
+    def desired(self, key, params, state, now):
+        return params.min_warm
+
+
+class HpaPolicy(ReplicaPolicy):
+    """Kubernetes' Horizontal Pod Autoscaler on utilisation (leased / replicas):
+    target 0.7 within a 0.1 tolerance, a 15 s sync period, at most max(+100%, +4)
+    up per period, and a 300 s stabilisation window for scaling down."""
+
+    name = "hpa"
+    TARGET, TOLERANCE, SYNC_S, DOWN_WINDOW_S = 0.7, 0.1, 15.0, 300.0
+
+    def __init__(self) -> None:
+        self.synced_at: dict[Key, float] = {}
+        self.replicas: dict[Key, int] = {}
+        self.recommendations: dict[Key, deque[tuple[float, int]]] = {}
+
+    def desired(self, key, params, state, now):
+        floor = max(1, params.min_warm)  # minReplicas
+        if key in self.synced_at and now - self.synced_at[key] < self.SYNC_S:
+            return self.replicas.get(key, floor)
+        self.synced_at[key] = now
+        current = max(state["current"], 1)
+        # waiting requests count as busy: they would be, given replicas
+        busy = state["leased"] + state["pending"]
+        ratio = (busy / current) / self.TARGET
+        if abs(ratio - 1.0) <= self.TOLERANCE:
+            want = state["current"]
+        else:
+            want = math.ceil(current * ratio)
+        want = min(want, max(2 * current, current + 4), params.max_warm + busy)
+        history = self.recommendations.setdefault(key, deque())
+        history.append((now, max(want, floor)))
+        while history and history[0][0] < now - self.DOWN_WINDOW_S:
+            history.popleft()
+        self.replicas[key] = max(r for _, r in history)  # down only as the window allows
+        return self.replicas[key]
+
+
+class KedaPolicy(ReplicaPolicy):
+    """KEDA's ScaledJob: every 30 s, start min(max, pending) - running jobs."""
+
+    name = "keda"
+    POLL_S = 30.0
+
+    def __init__(self) -> None:
+        self.polled_at: dict[Key, float] = {}
+        self.target: dict[Key, int] = {}
+
+    def desired(self, key, params, state, now):
+        if key not in self.polled_at or now - self.polled_at[key] >= self.POLL_S:
+            self.polled_at[key] = now
+            running = state["idle"] + state["creating"]  # jobs not yet taken by a request
+            start = max(0, min(params.max_warm, state["pending"]) - running)
+            self.target[key] = state["current"] + start
+        # jobs end with their request: between polls, only what was started stays
+        target = min(self.target.get(key, 0), state["current"])
+        self.target[key] = target
+        return max(target, state["leased"])
+
+
+class KpaPolicy(ReplicaPolicy):
+    """Knative's Pod Autoscaler on concurrency (leased + waiting), one request per
+    sandbox at a 0.7 target: a 60 s stable window, a 6 s panic window, panic when
+    the panic window asks for 200% of the current replicas (no scale-down in panic)."""
+
+    name = "kpa"
+    STABLE_S, PANIC_S, PANIC_THRESHOLD, TARGET = 60.0, 6.0, 2.0, 0.7
+
+    def __init__(self) -> None:
+        self.samples: dict[Key, deque[tuple[float, int]]] = {}
+        self.panic_until: dict[Key, float] = {}
+
+    def desired(self, key, params, state, now):
+        samples = self.samples.setdefault(key, deque())
+        samples.append((now, state["leased"] + state["pending"]))
+        while samples and samples[0][0] < now - self.STABLE_S:
+            samples.popleft()
+
+        def average(window_s: float) -> float:
+            recent = [c for t, c in samples if t >= now - window_s]
+            return sum(recent) / len(recent)
+
+        stable = math.ceil(average(self.STABLE_S) / self.TARGET)
+        panic = math.ceil(average(self.PANIC_S) / self.TARGET)
+        current = state["current"]
+        if current and panic / current >= self.PANIC_THRESHOLD or (current == 0 and panic):
+            self.panic_until[key] = now + self.STABLE_S
+        if now < self.panic_until.get(key, -math.inf):
+            want = max(panic, current)
+        else:
+            want = stable
+        return max(params.min_warm, min(want, params.max_warm + state["leased"]))
+
+
+POLICIES = {
+    p.name: p for p in (DsecPolicy, ColdPolicy, StaticPolicy, HpaPolicy, KedaPolicy, KpaPolicy)
+}
+
+
+def make_policy(name: str) -> Policy:
+    try:
+        return POLICIES[name]()
+    except KeyError:
+        raise ValueError(f"unknown policy {name!r}; known: {sorted(POLICIES)}") from None
