@@ -14,21 +14,24 @@ import contextlib
 import logging
 import secrets
 from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, TypeVar
 
 import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, Field
 
+from agent.audit import AuditLog, AuditRecord, AuditRecords, quoted_cmd
 from agent.docker_driver import (
     LABEL_LEASE,
     LABEL_NODE,
     LABEL_POOL,
     LABEL_SANDBOX,
     LABEL_TEMPLATE,
+    RUNC_STOPPED,
     AsyncDocker,
     DockerOpError,
 )
@@ -47,6 +50,7 @@ from dsec.httpkit import (
     token_matches,
 )
 from dsec.models import (
+    SANDBOX_ID_RE,
     Capacity,
     CreateSandbox,
     ExecRequest,
@@ -65,7 +69,9 @@ from dsec.states import SandboxState, transition
 from dsec.tokens import lease_token
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 TOMBSTONES = 100_000  # released ids remembered, so late calls get "released", not "unknown"
+AUDIT_READ_LIMIT = 10_000  # records one GET /v1/audit answers at most
 HIBERNATED_REPOSITORY = "dsec-hibernated"
 
 
@@ -136,12 +142,27 @@ class Agent:
         self.metrics = metrics
         self.store = SandboxStore(config.state_dir / f"{config.node_id}.sqlite")
         self.hibernated_dir = config.state_dir / f"{config.node_id}-hibernated"
+        self.audit = AuditLog(config.state_dir / f"{config.node_id}-audit.jsonl")
         self.sandboxes: dict[str, Sandbox] = {}
         self.released: OrderedDict[str, None] = OrderedDict()
         self.images: list[str] = []
         self.url = ""  # set by listening_at() once the port is known
         self.listening = asyncio.Event()
         self.incarnation = secrets.token_hex(8)
+        self.operations: set[asyncio.Task] = set()  # see to_completion()
+
+    async def to_completion(self, op: Coroutine[Any, Any, T]) -> T:
+        """Run a control plane's request to its end even if the caller hangs up (a control
+        plane killed mid-call): cut short, it would leave the record and the container
+        disagreeing, such as a container made but never marked ready, which nothing would
+        then hand out or remove. The control plane learns the outcome from the next
+        heartbeat; shutdown waits for these before removing sandboxes."""
+        task = asyncio.ensure_future(op)
+        self.operations.add(task)
+        # the caller may be gone: the outcome is retrieved here so it is never "unretrieved"
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())
+        task.add_done_callback(self.operations.discard)
+        return await asyncio.shield(task)
 
     def listening_at(self, url: str) -> None:
         self.url = url
@@ -227,7 +248,11 @@ class Agent:
             if record.container_id:
                 with contextlib.suppress(DockerOpError):
                     await self.docker.remove(record.container_id)
-            raise ApiError(502, f"docker_{e.kind}", str(e)) from e
+            # an image this node lacks, or a template Docker refuses or cannot start, is a
+            # refusal of the placement (the control plane tries elsewhere), not a failure
+            # of Docker
+            status = 422 if e.kind in ("image_not_found", "invalid", "start_failed") else 502
+            raise ApiError(status, f"docker_{e.kind}", str(e)) from e
         sandbox.move(SandboxState.WARM)
         sandbox.last_active = self.clock.now()
         return sandbox, True
@@ -351,14 +376,15 @@ class Agent:
         sandbox.frozen_at = None
         sandbox.last_active = self.clock.now()
 
-    async def destroy(self, sandbox_id: str) -> None:
-        """Remove a sandbox; idempotent (a second call finds it released)."""
+    async def destroy(self, sandbox_id: str) -> float | None:
+        """Remove a sandbox; idempotent (a second call finds it released). Returns the
+        time it spent running commands, the last word on it for the control plane."""
         if sandbox_id in self.released:
-            return
+            return None
         sandbox = self.get(sandbox_id)
         async with sandbox.lock:
             if sandbox_id not in self.sandboxes:
-                return  # removed while we waited for the lock
+                return None  # removed while we waited for the lock
             sandbox.move(SandboxState.DESTROYING)
             record = sandbox.record
             if record.container_id:
@@ -370,6 +396,7 @@ class Agent:
             await self.store.delete(sandbox_id)
             self.sandboxes.pop(sandbox_id, None)
             self._remember_released(sandbox_id)
+            return sandbox.busy_s
 
     def _remember_released(self, sandbox_id: str) -> None:
         self.released[sandbox_id] = None
@@ -383,7 +410,9 @@ class Agent:
             self.metrics.docker_error(e.op, e.kind)
             raise ApiError(502, f"docker_{e.kind}", str(e)) from e
 
-    async def exec(self, sandbox_id: str, token: str | None, req: ExecRequest) -> ExecResult:
+    async def exec(
+        self, sandbox_id: str, token: str | None, req: ExecRequest, peer: str | None = None
+    ) -> ExecResult:
         sandbox = self.get(sandbox_id)
         lease_id = sandbox.record.lease_id
         if lease_id is None:
@@ -394,6 +423,36 @@ class Agent:
         if not token_matches(token, [expected]):
             raise ApiError(403, "forbidden", f"this token does not hold the lease on {sandbox_id}")
         started = self.clock.now()
+        cmd, cmd_truncated = quoted_cmd(req.cmd)
+        record = AuditRecord(
+            time=self.clock.wall(),
+            node=self.config.node_id,
+            sandbox=sandbox_id,
+            lease_id=lease_id,
+            pool=sandbox.record.pool,
+            peer=peer,
+            cmd=cmd,
+            cmd_truncated=cmd_truncated,
+            exit_code=None,
+            duration_ms=0.0,
+        )
+        try:
+            result = await self._run(sandbox, req, started)
+        except (ApiError, asyncio.CancelledError) as e:
+            record.error = e.code if isinstance(e, ApiError) else "cancelled"
+            record.duration_ms = (self.clock.now() - started) * 1000
+            # shielded: a client that hung up still leaves its record
+            await asyncio.shield(self._audit(record))
+            raise
+        record.exit_code, record.timed_out = result.exit_code, result.timed_out
+        record.duration_ms, record.truncated = result.duration_ms, result.truncated
+        record.stdout_bytes = len(result.stdout.encode())
+        record.stderr_bytes = len(result.stderr.encode())
+        await self._audit(record)
+        return result
+
+    async def _run(self, sandbox: Sandbox, req: ExecRequest, started: float) -> ExecResult:
+        sandbox_id = sandbox.record.id
         async with sandbox.lock:  # a frozen lease is thawed before the command runs
             await self._thaw_locked(sandbox)
             sandbox.running_execs += 1
@@ -410,6 +469,8 @@ class Agent:
             self.metrics.docker_error(e.op, e.kind)
             if sandbox_id not in self.sandboxes:
                 raise ApiError(410, "released", f"sandbox {sandbox_id} was released") from e
+            if await self._stopped(sandbox):
+                raise _exited(sandbox_id) from e
             raise ApiError(502, f"docker_{e.kind}", str(e)) from e
         finally:
             sandbox.running_execs -= 1
@@ -417,6 +478,10 @@ class Agent:
             sandbox.busy_s += ended - started
             sandbox.last_active = ended
             self.metrics.exec_seconds.labels(self.config.node_id).observe(ended - started)
+        # A container that stopped between the exec's create and start: runc exits 126
+        # and says so, before Docker's own view of the container has caught up.
+        if out.exit_code == 126 and (RUNC_STOPPED in out.stdout or await self._stopped(sandbox)):
+            raise _exited(sandbox_id)
         return ExecResult(
             exit_code=out.exit_code,
             stdout=out.stdout.decode("utf-8", "replace"),
@@ -425,6 +490,22 @@ class Agent:
             truncated=out.truncated,
             duration_ms=(self.clock.now() - started) * 1000,
         )
+
+    async def _stopped(self, sandbox: Sandbox) -> bool:
+        try:
+            return not await self.docker.running(sandbox.record.container_id)
+        except DockerOpError as e:
+            self.metrics.docker_error(e.op, e.kind)
+            return False  # cannot tell: the command's own result is the answer
+
+    async def _audit(self, record: AuditRecord) -> None:
+        """Append to the audit log; a failure to write is counted and logged, and the
+        command's result still goes back (it ran: hiding its outcome helps no one)."""
+        try:
+            await self.audit.append(record)
+        except OSError as e:
+            self.metrics.audit_failures.labels(self.config.node_id).inc()
+            log.error("audit record for %s not written: %s", record.sandbox, e)
 
     # --- start-up and background work -----------------------------------------
 
@@ -495,9 +576,19 @@ class Agent:
                 await self.clock.sleep(self.config.heartbeat_s)
 
     async def remove_all(self) -> None:
+        await asyncio.gather(*self.operations, return_exceptions=True)
         for sandbox_id in list(self.sandboxes):
             with contextlib.suppress(ApiError):
                 await self.destroy(sandbox_id)
+
+
+def _exited(sandbox_id: str) -> ApiError:
+    return ApiError(
+        409,
+        "sandbox_exited",
+        f"sandbox {sandbox_id} is no longer running (its main process exited, for example "
+        "because PID 1 was signalled); release it and acquire another",
+    )
 
 
 AGENT = web.AppKey("agent", Agent)
@@ -516,7 +607,7 @@ def _control_plane_only(request: web.Request) -> Agent:
 async def create_sandbox(request: web.Request) -> web.Response:
     agent = _control_plane_only(request)
     req = await read_model(request, CreateSandbox)
-    sandbox, created = await agent.create(req)
+    sandbox, created = await agent.to_completion(agent.create(req))
     return model_response(sandbox.report(agent.clock.now()), 201 if created else 200)
 
 
@@ -524,33 +615,33 @@ async def lease_sandbox(request: web.Request) -> web.Response:
     agent = _control_plane_only(request)
     sandbox_id = sandbox_id_param(request)
     grant = await read_model(request, LeaseGrant)
-    sandbox = await agent.lease(sandbox_id, grant)
+    sandbox = await agent.to_completion(agent.lease(sandbox_id, grant))
     return model_response(sandbox.report(agent.clock.now()))
 
 
 async def pause_sandbox(request: web.Request) -> web.Response:
     agent = _control_plane_only(request)
-    sandbox = await agent.pause(sandbox_id_param(request))
+    sandbox = await agent.to_completion(agent.pause(sandbox_id_param(request)))
     return model_response(sandbox.report(agent.clock.now()))
 
 
 async def hibernate_sandbox(request: web.Request) -> web.Response:
     agent = _control_plane_only(request)
-    sandbox = await agent.hibernate(sandbox_id_param(request))
+    sandbox = await agent.to_completion(agent.hibernate(sandbox_id_param(request)))
     return model_response(sandbox.report(agent.clock.now()))
 
 
 async def unpause_sandbox(request: web.Request) -> web.Response:
     agent = _control_plane_only(request)
-    sandbox = await agent.unpause(sandbox_id_param(request))
+    sandbox = await agent.to_completion(agent.unpause(sandbox_id_param(request)))
     return model_response(sandbox.report(agent.clock.now()))
 
 
 async def destroy_sandbox(request: web.Request) -> web.Response:
     agent = _control_plane_only(request)
     sandbox_id = sandbox_id_param(request)
-    await agent.destroy(sandbox_id)
-    return model_response(Released(id=sandbox_id, state=SandboxState.GONE))
+    busy_s = await agent.to_completion(agent.destroy(sandbox_id))
+    return model_response(Released(id=sandbox_id, state=SandboxState.GONE, busy_s=busy_s))
 
 
 async def get_sandbox(request: web.Request) -> web.Response:
@@ -567,8 +658,20 @@ async def exec_in_sandbox(request: web.Request) -> web.Response:
     agent = _agent(request)
     sandbox_id = sandbox_id_param(request)
     req = await read_model(request, ExecRequest)
-    result = await agent.exec(sandbox_id, bearer_token(request), req)
+    result = await agent.exec(sandbox_id, bearer_token(request), req, request.remote)
     return model_response(result)
+
+
+async def read_audit(request: web.Request) -> web.Response:
+    agent = _control_plane_only(request)
+    sandbox_id = request.query.get("sandbox")
+    if sandbox_id is not None and not SANDBOX_ID_RE.match(sandbox_id):
+        raise ApiError(400, "invalid_sandbox_id", f"not a sandbox id: {sandbox_id!r}")
+    raw_limit = request.query.get("limit", str(AUDIT_READ_LIMIT))
+    if not raw_limit.isdigit() or not 1 <= int(raw_limit) <= AUDIT_READ_LIMIT:
+        raise ApiError(400, "invalid_limit", f"limit must be 1 to {AUDIT_READ_LIMIT}")
+    records = await agent.audit.read(sandbox_id, int(raw_limit))
+    return model_response(AuditRecords(records=records))
 
 
 async def healthz(request: web.Request) -> web.Response:
@@ -645,6 +748,13 @@ def agent_api() -> Api:
         summary="run a command (lease token)",
     )
     api.route("GET", "/v1/node", get_node, answer=NodeReport, summary="this node's report")
+    api.route(
+        "GET",
+        "/v1/audit",
+        read_audit,
+        answer=AuditRecords,
+        summary="the last commands run on this node (?sandbox=, ?limit=; control plane only)",
+    )
     api.route("GET", "/healthz", healthz, summary="liveness")
     api.route("GET", "/metrics", metrics, summary="Prometheus metrics")
     return api
@@ -668,6 +778,7 @@ def create_agent_app(agent: Agent) -> web.Application:
         if agent.config.cleanup_on_exit:
             await agent.remove_all()
         await agent.store.close()
+        await agent.audit.close()
         agent.docker.close()
 
     app.cleanup_ctx.append(lifecycle)

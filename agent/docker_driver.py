@@ -32,6 +32,8 @@ from dsec.models import TemplateSpec
 T = TypeVar("T")
 STDOUT, STDERR = 1, 2
 TIMEOUT_EXIT_CODE = 124  # what coreutils' timeout(1) returns, so scripts read it the same way
+TMP_MB = 64  # the sandbox's /tmp, a tmpfs beside its work dir
+RUNC_STOPPED = b"cannot exec in a stopped state"  # runc's answer to an exec in a dead container
 
 LABEL_NODE = "dsec.node"
 LABEL_POOL = "dsec.pool"
@@ -46,13 +48,23 @@ class DockerOpError(Exception):
         self.op, self.kind, self.message = op, kind, message
 
 
+class StartFailed(DockerException):
+    """Docker made the container but could not start it: in practice the template asks
+    for what the image or the host cannot give (a user or a command the image lacks, a
+    limit past the engine's own, a CPU quota below Docker's minimum)."""
+
+
 def _error_kind(e: Exception) -> str:
+    if isinstance(e, StartFailed):
+        return "start_failed"
     if isinstance(e, ImageNotFound):
         return "image_not_found"
     if isinstance(e, NotFound):
         return "not_found"
     if isinstance(e, APIError) and e.response is not None and e.response.status_code == 409:
         return "conflict"
+    if isinstance(e, APIError) and e.response is not None and e.response.status_code == 400:
+        return "invalid"  # Docker refused what it was asked, e.g. a bad image reference
     text = str(e).lower()
     if "no space left" in text:
         return "disk_full"
@@ -88,8 +100,13 @@ class DockerDriver:
         """Create and start a sandbox container, hardened as its template says."""
         tmpfs = {
             spec.workdir: f"rw,size={spec.workdir_mb}m,mode=0755,uid=1000,gid=1000",
-            "/tmp": "rw,size=64m,mode=1777",
+            "/tmp": f"rw,size={TMP_MB}m,mode=1777",
         }
+        # tmpfs pages are charged to the container's memory cgroup. The limit makes
+        # room for both file systems on top of memory_mb, so filling the work dir fails
+        # with ENOSPC at workdir_mb instead of OOM-killing every process in the sandbox,
+        # and memory_mb stays what the processes get.
+        ram_limit = (spec.memory_mb + spec.workdir_mb + TMP_MB) << 20
         container = self.client.containers.create(
             spec.image,
             command=spec.command,
@@ -102,8 +119,8 @@ class DockerDriver:
             read_only=spec.read_only_root,
             tmpfs=tmpfs,
             nano_cpus=int(spec.cpus * 1e9),
-            mem_limit=spec.memory_mb * 1024 * 1024,
-            memswap_limit=spec.memory_mb * 1024 * 1024,
+            mem_limit=ram_limit,
+            memswap_limit=ram_limit,  # no swap
             pids_limit=spec.pids_limit,
             ulimits=[
                 docker.types.Ulimit(name="nofile", soft=spec.nofile_limit, hard=spec.nofile_limit)
@@ -114,10 +131,10 @@ class DockerDriver:
         )
         try:
             container.start()
-        except DockerException:
+        except DockerException as e:
             with contextlib.suppress(DockerException):
                 container.remove(force=True)
-            raise
+            raise StartFailed(str(e)) from e
         return container.id
 
     def pause(self, container_id: str) -> None:
@@ -125,6 +142,12 @@ class DockerDriver:
 
     def unpause(self, container_id: str) -> None:
         self.api.unpause(container_id)
+
+    def running(self, container_id: str) -> bool:
+        try:
+            return bool(self.api.inspect_container(container_id)["State"]["Running"])
+        except NotFound:
+            return False
 
     def remove(self, container_id: str) -> None:
         try:
@@ -291,6 +314,9 @@ class AsyncDocker:
 
     async def unpause(self, container_id: str) -> None:
         await self.call("unpause", self.driver.unpause, container_id)
+
+    async def running(self, container_id: str) -> bool:
+        return await self.call("inspect", self.driver.running, container_id)
 
     async def remove(self, container_id: str) -> None:
         await self.call("remove", self.driver.remove, container_id)

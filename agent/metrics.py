@@ -55,6 +55,12 @@ class AgentMetrics:
         self.sandboxes = Gauge(
             "dsec_agent_sandboxes", "Sandboxes on this node", ["node"], registry=self.registry
         )
+        self.audit_failures = Counter(
+            "dsec_agent_audit_failures_total",
+            "Commands whose audit record could not be written",
+            ["node"],
+            registry=self.registry,
+        )
         self.heartbeat_failures = Counter(
             "dsec_agent_heartbeat_failures_total",
             "Heartbeats the control plane did not accept",

@@ -178,11 +178,11 @@ class Scheduler:
                     self._create(action, now)
                 case Destroy():
                     entry = self.view.sandboxes.get(action.sandbox_id)
-                    if entry is not None:
+                    if entry is not None and entry.retry_at <= now:
                         self._destroy(entry, now, action="destroy")
                 case Pause() | Thaw() | Hibernate():
                     entry = self.view.sandboxes.get(action.sandbox_id)
-                    if entry is not None:
+                    if entry is not None and entry.retry_at <= now:
                         self._freeze_or_thaw(action, entry)
                 case ProvisionCloud():
                     for _ in range(action.count):
@@ -259,6 +259,7 @@ class Scheduler:
         if result.ok:
             self.view.move(entry, SandboxState.WARM, now)
             entry.confirmed_at = now
+            entry.failures = 0
         else:
             self._call_failed(entry, "create", result)
             if entry.reserved_for and (req := self.requests.get(entry.reserved_for)):
@@ -315,6 +316,7 @@ class Scheduler:
             self.wake()
             return
         entry.confirmed_at = now
+        entry.failures = 0
         if req.done.done():  # its client gave up while the lease was being made
             self._destroy(entry, now, action="destroy")
             return
@@ -349,6 +351,11 @@ class Scheduler:
 
     def _on_destroyed(self, entry: SandboxEntry, result: CallResult) -> None:
         entry.op_in_flight = False
+        final_busy_s = (result.body or {}).get("busy_s")
+        if final_busy_s is not None and final_busy_s > entry.busy_s:
+            # what it ran since its node's last heartbeat, which no report will carry
+            self.metrics.busy_seconds.labels(entry.pool).inc(final_busy_s - entry.busy_s)
+            entry.busy_s = final_busy_s
         if result.ok or result.status in (404, 410):
             self.view.move(entry, SandboxState.GONE, self.clock.now())
             self.view.forget(entry.id)
@@ -362,6 +369,7 @@ class Scheduler:
             node = self.view.nodes.get(entry.node)
             if (
                 not entry.op_in_flight
+                and entry.retry_at <= now
                 and node is not None
                 and node.healthy
             ):
@@ -388,6 +396,7 @@ class Scheduler:
             if result.ok:
                 self.view.move(entry, new_state, now)
                 entry.confirmed_at = now
+                entry.failures = 0
                 if verb == "pause":
                     entry.frozen_at = now
                 elif verb == "unpause":
@@ -435,6 +444,9 @@ class Scheduler:
         task.add_done_callback(self.tasks.discard)
 
     def _call_failed(self, entry: SandboxEntry, op: str, result: CallResult) -> None:
+        # back off: an agent that is down is not asked again on every tick
+        entry.failures += 1
+        entry.retry_at = self.clock.now() + min(30.0, 0.5 * 2**entry.failures)
         self.metrics.agent_call_errors.labels(entry.node, op, result.code).inc()
         log.warning(
             "%s of %s on %s failed: %s %s", op, entry.id, entry.node, result.code, result.message

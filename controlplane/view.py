@@ -52,6 +52,8 @@ class SandboxEntry:
     confirmed_at: float = 0.0
     busy_s: float = 0.0
     idle_since: float | None = None  # when its client last ran a command (from heartbeats)
+    failures: int = 0  # calls about it that failed in a row
+    retry_at: float = 0.0  # no new call about it before then
     frozen_at: float | None = None  # when it was first frozen
 
     @property
@@ -146,9 +148,7 @@ class ClusterView:
         return entry
 
     def used_by_node(self) -> dict[str, Resources]:
-        return {
-            node: Resources(c, int(m), int(n)) for node, (c, m, n) in self._used.items() if n
-        }
+        return {node: Resources(c, int(m), int(n)) for node, (c, m, n) in self._used.items() if n}
 
     def used(self, node_id: str) -> Resources:
         c, m, n = self._used.get(node_id, (0.0, 0, 0))

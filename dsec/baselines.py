@@ -196,10 +196,10 @@ class KedaPolicy(ReplicaPolicy):
             running = state["idle"] + state["creating"]  # jobs not yet taken by a request
             start = max(0, min(params.max_warm, state["pending"]) - running)
             self.target[key] = state["current"] + start
-        # jobs end with their request: between polls, only what was started stays
-        target = min(self.target.get(key, 0), state["current"])
-        self.target[key] = target
-        return max(target, state["leased"])
+        else:
+            # jobs end with their request: between polls, only what was started stays
+            self.target[key] = min(self.target.get(key, 0), state["current"])
+        return max(self.target[key], state["leased"])
 
 
 class KpaPolicy(ReplicaPolicy):

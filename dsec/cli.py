@@ -13,7 +13,11 @@ from pathlib import Path
 import aiohttp
 from pydantic import ValidationError
 
+from bench.calibrate import add_calibrate_arguments, run_calibrate
+from bench.fidelity import add_fidelity_arguments, run_fidelity
 from bench.generate import add_generate_arguments, run_generate
+from bench.replay import add_compare_arguments, add_replay_arguments, run_compare, run_replay
+from bench.sweep import add_sweep_arguments, run_sweep
 from dsec.httpkit import validation_details
 from dsec.models import Capacity, PoolParams
 from dsec.plan import add_plan_arguments, run_plan
@@ -316,6 +320,21 @@ def build_parser() -> argparse.ArgumentParser:
     gen = bench_sub.add_parser("generate", help="write a synthetic or imported trace")
     add_generate_arguments(gen)
     gen.set_defaults(run=run_generate)
+    replay = bench_sub.add_parser("replay", help="replay a trace live or in the simulator")
+    add_replay_arguments(replay)
+    replay.set_defaults(run=run_replay)
+    compare = bench_sub.add_parser("compare", help="compare replay reports")
+    add_compare_arguments(compare)
+    compare.set_defaults(run=run_compare)
+    sweep = bench_sub.add_parser("sweep", help="sweep pool parameters in the simulator")
+    add_sweep_arguments(sweep)
+    sweep.set_defaults(run=run_sweep)
+    fidelity = bench_sub.add_parser("fidelity", help="the simulator against a live replay")
+    add_fidelity_arguments(fidelity)
+    fidelity.set_defaults(run=run_fidelity)
+    calibrate = bench_sub.add_parser("calibrate", help="measure Docker into a sim profile")
+    add_calibrate_arguments(calibrate)
+    calibrate.set_defaults(run=run_calibrate)
     return parser
 
 

@@ -93,6 +93,7 @@ class Lease(SandboxInfo):
 class Released(Wire):
     id: SandboxId
     state: SandboxState
+    busy_s: float | None = Field(None, description="its time running commands, all told")
 
 
 class SandboxList(Wire):

@@ -377,15 +377,14 @@ class _Decision:
     def _claim_for(self, req: RequestSnap) -> bool:
         mine = self.reserved.get(req.id)
         if mine is not None and mine.state == S.WARM:
-            on_cloud = (
-                self.nodes.get(mine.node) is not None and self.nodes[mine.node].kind == "cloud"
-            )
-            path = "overflow" if on_cloud else "cold"
+            path = "overflow" if self._on_cloud(mine) else "cold"
             self._claim(req, mine, path, "the sandbox created for it is ready")
             return True
         for state, path in CLAIM_TIERS:
             sb = self.take(req.pool, req.template, state)
             if sb is not None:
+                if sb.since > req.arrived_at:  # it waited for this sandbox to be made
+                    path = "overflow" if self._on_cloud(sb) else "cold"
                 self._claim(req, sb, path, f"a {state} sandbox of its pool was free")
                 return True
         lenders = sorted(
@@ -400,6 +399,10 @@ class _Decision:
                     self._claim(req, sb, path, reason)
                     return True
         return mine is not None  # its cold create is under way
+
+    def _on_cloud(self, sb: SandboxSnap) -> bool:
+        node = self.nodes.get(sb.node)
+        return node is not None and node.kind == "cloud"
 
     def _claim(self, req: RequestSnap, sb: SandboxSnap, path: str, reason: str) -> None:
         self.actions.append(Claim(req.id, sb.id, path, reason))
@@ -429,10 +432,10 @@ class _Decision:
                 key = (pool_name, template_name)
                 warm_now = self.count(key, S.WARM) + self.creating.get(key, 0)
                 room = max(0, params.max_warm - warm_now)
-                extra = min(
-                    room,
-                    scale_up_step(params, self.pending.get(key, 0), self.idle_before.get(key, 0)),
-                )
+                step = scale_up_step(params, self.pending.get(key, 0), self.idle_before.get(key, 0))
+                # one step in flight at a time: a queue that stays long over several ticks
+                # must not add a step on every tick
+                extra = min(room, max(0, step - self.creating.get(key, 0)))
                 self._create_warm(key, template, params, extra, "scale-up: pending > k x idle")
                 if template_name not in params.templates:
                     continue

@@ -27,10 +27,10 @@ STARTED_POOLS: set[str] = set()
 
 
 def pool_containers(client: docker.DockerClient, prefix: str = TEST_POOL_PREFIX) -> list:
+    # sparse: no inspect per container, which races with removals elsewhere
+    found = client.containers.list(all=True, sparse=True, filters={"label": LABEL_NODE})
     return [
-        c
-        for c in client.containers.list(all=True, filters={"label": LABEL_NODE})
-        if c.labels.get(LABEL_NODE, "").startswith(prefix)
+        c for c in found if (c.attrs.get("Labels") or {}).get(LABEL_NODE, "").startswith(prefix)
     ]
 
 

@@ -149,7 +149,8 @@ async def test_bad_input_leaves_no_container_behind(pool, client, docker_client,
                 break
             await asyncio.sleep(0.05)
         return {
-            c.labels["dsec.sandbox"] for c in pool_containers(docker_client, pool.spec.name + "-")
+            c.attrs["Labels"]["dsec.sandbox"]
+            for c in pool_containers(docker_client, pool.spec.name + "-")
         }
 
     before = await settled_containers()

@@ -143,13 +143,20 @@ def test_claims_prefer_warm_then_paused_then_hibernated_then_cold():
     tiers = [
         sandbox("h", S.HIBERNATED, since=NOW - 50),
         sandbox("p", S.PAUSED, since=NOW - 50),
-        sandbox("w", S.WARM),
+        sandbox("w", S.WARM, since=NOW - 50),
     ]
     reqs = [request(f"q{i}", arrived_at=NOW - 5 + i) for i in range(4)]
     actions = decide(snap(sandboxes=tiers, requests=reqs), {"p": params()}, NOW)
     got = [(c.request_id, c.sandbox_id, c.path) for c in of(actions, Claim)]
     assert got == [("q0", "w", "warm"), ("q1", "p", "thaw"), ("q2", "h", "thaw")]
     assert [a.for_request for a in cold(actions)] == ["q3"]
+
+
+def test_a_sandbox_made_after_the_request_arrived_counts_as_cold():
+    fresh = sandbox("w", S.WARM, since=NOW - 0.05)  # a scale-up create, ready just now
+    actions = decide(snap(sandboxes=[fresh], requests=[request("a", arrived_at=NOW - 1)]),
+                     {"p": params()}, NOW)  # fmt: skip
+    assert [(c.sandbox_id, c.path) for c in of(actions, Claim)] == [("w", "cold")]
 
 
 def test_everything_frozen_is_thawed_for_requests():

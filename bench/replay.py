@@ -1,0 +1,188 @@
+"""`dsec bench replay` and `dsec bench compare`.
+
+    dsec bench replay --trace FILE --mode live|sim [--url URL] [--policy NAME] [--nodes N]
+        [--slots-per-node S] [--cloud-nodes M] [--time-scale X] [--seed S] [--out DIR] [--json]
+    dsec bench compare --reports DIR1 DIR2 ... [--out DIR] [--json]
+
+A replay writes its report directory (report.json, latencies.json, report.md and PNG plots;
+see `bench.report`) and prints the report: as JSON with ``--json``, else as its Markdown
+table. A comparison overlays several reports' latency CDFs and tabulates them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import sys
+import tempfile
+from pathlib import Path
+from typing import get_args
+
+from bench.records import RunResult
+from bench.report import (
+    COMPARE_MARKDOWN_FILE,
+    MARKDOWN_FILE,
+    REPORT_FILE,
+    compare_reports,
+    write_report,
+)
+from controlplane.config import ControlPlaneConfig
+from dsec.trace import Episode, TraceError, load_trace
+
+POLICIES: tuple[str, ...] = get_args(ControlPlaneConfig.model_fields["policy"].annotation)
+DEFAULT_OUT_DIR = Path("out")
+
+
+def add_replay_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of ``dsec bench replay``."""
+    parser.add_argument("--trace", required=True, help="trace file (JSON Lines)")
+    parser.add_argument(
+        "--mode",
+        choices=("live", "sim"),
+        required=True,
+        help="live: against real sandboxes; sim: the discrete-event simulator",
+    )
+    parser.add_argument(
+        "--url", help="live: a running control plane (default: start a local pool for the run)"
+    )
+    parser.add_argument("--policy", choices=POLICIES, default="dsec")
+    parser.add_argument("--nodes", type=int, default=3, help="local nodes of the pool")
+    parser.add_argument("--slots-per-node", type=int, default=64)
+    parser.add_argument(
+        "--cloud-nodes", type=int, default=0, help="cloud nodes the pool may overflow to"
+    )
+    parser.add_argument(
+        "--time-scale", type=float, default=1.0, help="multiply every trace time; 0.1 is 10x faster"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="sim: the simulator's seed")
+    parser.add_argument("--out", type=Path, help="report directory (default out/POLICY-MODE)")
+    parser.add_argument("--json", action="store_true", help="print report.json")
+
+
+def _bad_replay_flags(args: argparse.Namespace) -> str | None:
+    if args.nodes < 1:
+        return f"--nodes must be >= 1, got {args.nodes}"
+    if args.slots_per_node < 1:
+        return f"--slots-per-node must be >= 1, got {args.slots_per_node}"
+    if args.cloud_nodes < 0:
+        return f"--cloud-nodes must be >= 0, got {args.cloud_nodes}"
+    if not (math.isfinite(args.time_scale) and args.time_scale > 0):
+        return f"--time-scale must be a finite number > 0, got {args.time_scale}"
+    if args.url is not None and args.mode == "sim":
+        return "--url is for --mode live"
+    return None
+
+
+async def _replay_live(episodes: list[Episode], args: argparse.Namespace) -> RunResult:
+    from bench.replay_live import default_pool_spec, replay_live
+
+    common = {
+        "time_scale": args.time_scale,
+        "policy": args.policy,
+        "progress": not args.json,
+        "trace": args.trace,
+        "seed": args.seed,
+    }
+    if args.url is not None:
+        return await replay_live(episodes, url=args.url, **common)
+    with tempfile.TemporaryDirectory(prefix="dsec-replay-") as state_dir:
+        spec = default_pool_spec(
+            args.policy,
+            nodes=args.nodes,
+            slots_per_node=args.slots_per_node,
+            cloud_nodes=args.cloud_nodes,
+            state_dir=Path(state_dir),
+        )
+        return await replay_live(episodes, pool_spec=spec, **common)
+
+
+def run_replay(args: argparse.Namespace) -> int:
+    """Replay the trace, write the report to ``--out`` and print it; 2 on bad input, 1 when
+    the pool cannot be used."""
+    problem = _bad_replay_flags(args)
+    if problem is not None:
+        print(f"dsec bench replay: {problem}", file=sys.stderr)
+        return 2
+    try:
+        episodes = load_trace(args.trace)
+    except TraceError as error:
+        print(f"dsec bench replay: {error}", file=sys.stderr)
+        return 2
+
+    if args.mode == "live":
+        from bench.replay_live import ReplayError
+        from dsec.localpool import LocalPoolError
+
+        try:
+            result = asyncio.run(_replay_live(episodes, args))
+        except (ReplayError, LocalPoolError) as error:
+            print(f"dsec bench replay: {error}", file=sys.stderr)
+            return 1
+    else:
+        try:
+            from bench.sim import simulate
+        except ModuleNotFoundError as error:
+            if error.name != "bench.sim":
+                raise
+            print(
+                "dsec bench replay: --mode sim needs the simulator (bench.sim), "
+                "which this installation does not have",
+                file=sys.stderr,
+            )
+            return 2
+        result = simulate(
+            episodes,
+            policy=args.policy,
+            nodes=args.nodes,
+            slots_per_node=args.slots_per_node,
+            cloud_nodes=args.cloud_nodes,
+            seed=args.seed,
+            time_scale=args.time_scale,
+            progress=not args.json,
+        )
+        result.meta["trace"] = args.trace  # the simulator is given episodes, not their file
+
+    out = write_report(result, args.out or DEFAULT_OUT_DIR / f"{args.policy}-{args.mode}")
+    if args.json:
+        print((out / REPORT_FILE).read_text(), end="")
+    else:
+        print((out / MARKDOWN_FILE).read_text())
+        print(f"report written to {out}/")
+    return 0
+
+
+def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of ``dsec bench compare``."""
+    parser.add_argument(
+        "--reports",
+        type=Path,
+        nargs="+",
+        required=True,
+        metavar="DIR",
+        help="report directories written by `dsec bench replay`",
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=DEFAULT_OUT_DIR / "compare",
+        help="where to write the comparison",
+    )
+    parser.add_argument("--json", action="store_true", help="print compare.json")
+
+
+def run_compare(args: argparse.Namespace) -> int:
+    """Overlay the reports' latency CDFs, tabulate them, print the table; 2 on unreadable
+    reports."""
+    try:
+        comparison = compare_reports(args.reports, args.out)
+    except (OSError, ValueError, KeyError) as error:
+        print(f"dsec bench compare: cannot read the reports: {error}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(comparison, indent=2))
+    else:
+        print((args.out / COMPARE_MARKDOWN_FILE).read_text())
+        print(f"comparison written to {args.out}/")
+    return 0
