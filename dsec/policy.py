@@ -314,6 +314,7 @@ class _Decision:
         self.actions: list[Action] = []
         self.nodes = {n.id: n for n in snapshot.nodes}
         self._placement: Placement | None = None
+        self._lenders: dict[str, list[str]] = {}
         # unassigned sandboxes by (pool, template) and state, oldest first
         self.free: dict[tuple[str, str, SandboxState], list[SandboxSnap]] = {}
         self.reserved: dict[str, SandboxSnap] = {}
@@ -360,6 +361,16 @@ class _Decision:
         params = self.pools.get(pool)
         return params.priority if params else 0
 
+    def lenders_to(self, pool: str) -> list[str]:
+        """Pools of lower priority, lowest first: whose idle sandboxes `pool` may take."""
+        if pool not in self._lenders:
+            mine = self.priority(pool)
+            self._lenders[pool] = sorted(
+                (p for p in self.pools if self.priority(p) < mine),
+                key=lambda p: (self.priority(p), p),
+            )
+        return self._lenders[pool]
+
     def take(self, pool: str, template: str, state: SandboxState) -> SandboxSnap | None:
         free = self.free.get((pool, template, state))
         return free.pop(0) if free else None
@@ -387,12 +398,8 @@ class _Decision:
                     path = "overflow" if self._on_cloud(sb) else "cold"
                 self._claim(req, sb, path, f"a {state} sandbox of its pool was free")
                 return True
-        lenders = sorted(
-            (p for p in self.pools if self.priority(p) < self.priority(req.pool)),
-            key=lambda p: (self.priority(p), p),
-        )
         for state, path in CLAIM_TIERS[:2]:  # idle or frozen, never busy
-            for lender in lenders:
+            for lender in self.lenders_to(req.pool):
                 sb = self.take(lender, req.template, state)
                 if sb is not None:
                     reason = f"taken from lower-priority pool {lender} ({state})"
