@@ -156,7 +156,7 @@ class Agent:
         plane killed mid-call): cut short, it would leave the record and the container
         disagreeing, such as a container made but never marked ready, which nothing would
         then hand out or remove. The control plane learns the outcome from the next
-        heartbeat; shutdown waits for these before removing sandboxes."""
+        heartbeat; shutdown waits for these."""
         task = asyncio.ensure_future(op)
         self.operations.add(task)
         # the caller may be gone: the outcome is retrieved here so it is never "unretrieved"
@@ -576,7 +576,6 @@ class Agent:
                 await self.clock.sleep(self.config.heartbeat_s)
 
     async def remove_all(self) -> None:
-        await asyncio.gather(*self.operations, return_exceptions=True)
         for sandbox_id in list(self.sandboxes):
             with contextlib.suppress(ApiError):
                 await self.destroy(sandbox_id)
@@ -775,6 +774,8 @@ def create_agent_app(agent: Agent) -> web.Application:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        # the control plane's requests cut short by the shutdown finish first
+        await asyncio.gather(*agent.operations, return_exceptions=True)
         if agent.config.cleanup_on_exit:
             await agent.remove_all()
         await agent.store.close()

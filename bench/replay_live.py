@@ -142,12 +142,10 @@ def _command_for(exec_s: float) -> list[str]:
     return ["sleep", f"{exec_s:.3f}"] if exec_s > 0 else ["true"]
 
 
-async def _release(
-    client: Client, sandbox: Sandbox, record: EpisodeRecord, clock: Callable[[], float]
-) -> None:
+async def _release(sandbox: Sandbox, record: EpisodeRecord, clock: Callable[[], float]) -> None:
     released_at_s = clock()  # the hold ends here; removing the container is the pool's time
     try:
-        await client.release(sandbox.id)
+        await sandbox.release()
     except CALL_ERRORS as error:
         if not (isinstance(error, DsecError) and error.code == "already_released"):
             record.error = record.error or f"release: {error}"
@@ -210,7 +208,7 @@ async def play_episode(
     except (*CALL_ERRORS, ExecFailed) as error:
         record.error = f"exec: {error}"
     finally:
-        releasing = asyncio.ensure_future(_release(client, sandbox, record, clock))
+        releasing = asyncio.ensure_future(_release(sandbox, record, clock))
         try:
             await asyncio.shield(releasing)
         except asyncio.CancelledError:

@@ -27,11 +27,13 @@ from dsec.clock import Clock
 from dsec.httpkit import (
     Api,
     ApiError,
+    bearer_token,
     model_response,
     new_app,
     read_model,
     require_token,
     sandbox_id_param,
+    token_matches,
 )
 from dsec.models import (
     NAME_PATTERN,
@@ -51,6 +53,7 @@ from dsec.models import (
 )
 from dsec.policy import Resources
 from dsec.states import SandboxState
+from dsec.tokens import LEASE_TOKEN_HEADER
 
 SCHEDULER = web.AppKey("scheduler", Scheduler)
 
@@ -119,7 +122,9 @@ async def get_sandbox(request: web.Request) -> web.Response:
 
 async def release(request: web.Request) -> web.Response:
     s = _client(request)
-    entry = await s.release(sandbox_id_param(request))
+    operator = token_matches(bearer_token(request), s.config.admin_tokens)
+    proof = None if operator else request.headers.get(LEASE_TOKEN_HEADER, "")
+    entry = await s.release(sandbox_id_param(request), proof)
     return model_response(Released(id=entry.id, state=SandboxState.GONE))
 
 

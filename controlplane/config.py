@@ -30,6 +30,12 @@ class ControlPlaneConfig(BaseModel):
         0.0, ge=0, le=1, description="events closer than this are decided in one tick"
     )
     heartbeat_timeout_s: float = Field(5.0, gt=0, le=3600)
+    resync_s: float = Field(
+        3.0,
+        ge=0,
+        le=3600,
+        description="after a start, keyed acquires wait this long for agents to report leases",
+    )
     refusal_cooldown_s: float = Field(
         5.0, ge=0, le=3600, description="no placements on a node this long after it refused one"
     )

@@ -26,7 +26,7 @@ from controlplane.queue import PendingRequest, RequestQueues
 from controlplane.view import TOMBSTONES, ClusterView, SandboxEntry
 from dsec.baselines import Policy, make_policy
 from dsec.clock import Clock
-from dsec.httpkit import ApiError
+from dsec.httpkit import ApiError, token_matches
 from dsec.models import (
     AcquireRequest,
     CreateSandbox,
@@ -53,7 +53,7 @@ from dsec.policy import (
     Thaw,
 )
 from dsec.states import ASSIGNED, SandboxState
-from dsec.tokens import lease_token, new_lease_id
+from dsec.tokens import LEASE_TOKEN_HEADER, lease_token, new_lease_id
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +89,7 @@ class Scheduler:
         self.ops: dict[str, asyncio.Task] = {}  # the side effect in flight, per sandbox
         self.reservations: dict[str, str] = {}  # request id -> the sandbox created for it
         self.ticks = 0
+        self.started_at = clock.now()
         self.alive_accounted_at = clock.now()
         self.leases_looked_at = -math.inf
 
@@ -494,6 +495,8 @@ class Scheduler:
                 [{"loc": "template", "msg": f"known: {sorted(self.config.templates)}"}],
             )
         key = body.idempotency_key
+        if key is not None and key not in self.by_key:
+            await self._resync(body.timeout_s)
         if key is not None and key in self.spent_keys:
             raise ApiError(
                 409,
@@ -517,6 +520,20 @@ class Scheduler:
             self.by_key[key] = req
         self.wake()
         return await self._await_lease(req, body.timeout_s)
+
+    async def _resync(self, timeout_s: float) -> None:
+        """Hold a keyed acquire until the agents have reported since this control plane
+        started (resync_s, a few heartbeats): after a restart, a retry must find the
+        sandbox its key already holds, not be served a second one."""
+        left = self.started_at + self.config.resync_s - self.clock.now()
+        if left <= 0:
+            return
+        if left > timeout_s:
+            await self.clock.sleep(timeout_s)
+            raise ApiError(
+                503, "resyncing", "the control plane is relearning the cluster; retry shortly"
+            )
+        await self.clock.sleep(left)
 
     async def _acquire_again(self, key: str, timeout_s: float) -> Lease:
         known = self.by_key[key]
@@ -568,7 +585,8 @@ class Scheduler:
         if entry is not None and entry.reserved_for == req.id:
             entry.reserved_for = None
 
-    async def release(self, sandbox_id: str) -> SandboxEntry:
+    async def release(self, sandbox_id: str, proof: str | None) -> SandboxEntry:
+        """`proof` is the caller's lease token; None for an operator, who may release any."""
         entry = self.view.sandboxes.get(sandbox_id)
         if entry is None:
             if sandbox_id in self.view.released:
@@ -576,6 +594,17 @@ class Scheduler:
             raise ApiError(404, "unknown_sandbox", f"no sandbox {sandbox_id}")
         if entry.state == SandboxState.DESTROYING:
             raise ApiError(409, "already_released", f"sandbox {sandbox_id} is being released")
+        if proof is not None and not (
+            entry.lease_id
+            and token_matches(
+                proof, [lease_token(self.config.agent_token, entry.id, entry.lease_id)]
+            )
+        ):
+            raise ApiError(
+                403,
+                "forbidden",
+                f"releasing {sandbox_id} takes its lease token ({LEASE_TOKEN_HEADER})",
+            )
         if entry.state == SandboxState.LOST:
             self.view.forget(sandbox_id)  # nothing to remove we can reach; its node may
             return entry  # still report it, and the tombstone makes that a removal

@@ -37,6 +37,7 @@ from dsec.models import (
     SandboxInfo,
     SandboxList,
 )
+from dsec.tokens import LEASE_TOKEN_HEADER
 
 DEFAULT_URL = "http://127.0.0.1:8700"
 M = TypeVar("M", bound=BaseModel)
@@ -88,7 +89,7 @@ class Sandbox:
         )
 
     async def release(self) -> None:
-        await self.client.release(self.id)
+        await self.client.release(self.id, self.lease.lease_token)
 
 
 class Client:
@@ -129,10 +130,14 @@ class Client:
         *,
         token: str | None = None,
         timeout: float = 60.0,
+        headers: dict[str, str] | None = None,
     ) -> M:
         if self._http is None:
             raise RuntimeError("use the Client as `async with Client(...) as client:`")
-        headers = {"Authorization": f"Bearer {token if token is not None else self.token}"}
+        headers = {
+            **(headers or {}),
+            "Authorization": f"Bearer {token if token is not None else self.token}",
+        }
         data = None
         if body is not None:
             data = body.model_dump_json(exclude_none=True)
@@ -175,8 +180,11 @@ class Client:
                 await asyncio.sleep(0.2 * 2**attempt)  # same key: the same sandbox comes back
         raise AssertionError("unreachable")
 
-    async def release(self, sandbox_id: str) -> None:
-        await self._call("DELETE", f"{self.url}/v1/sandboxes/{sandbox_id}", Released)
+    async def release(self, sandbox_id: str, lease_token: str | None = None) -> None:
+        headers = {LEASE_TOKEN_HEADER: lease_token} if lease_token else None
+        await self._call(
+            "DELETE", f"{self.url}/v1/sandboxes/{sandbox_id}", Released, headers=headers
+        )
 
     @asynccontextmanager
     async def sandbox(
@@ -187,11 +195,11 @@ class Client:
             yield sb
         finally:
             # shielded: a cancelled caller still gives its sandbox back
-            await asyncio.shield(self._release_quietly(sb.id))
+            await asyncio.shield(self._release_quietly(sb.id, sb.lease.lease_token))
 
-    async def _release_quietly(self, sandbox_id: str) -> None:
+    async def _release_quietly(self, sandbox_id: str, lease_token: str) -> None:
         try:
-            await self.release(sandbox_id)
+            await self.release(sandbox_id, lease_token)
         except DsecError as e:
             if e.code not in ("already_released", "unknown_sandbox"):
                 raise

@@ -134,11 +134,11 @@ class TemplateSpec(Wire):
 
     name: Name
     image: ImageRef
-    cpus: float = Field(0.5, gt=0, le=256)
+    cpus: float = Field(0.5, ge=0.01, le=256)
     memory_mb: int = Field(256, ge=16, le=1024 * 1024)
     may_overflow: bool = Field(True, description="may run on cloud nodes")
     user: str = Field("1000:1000", pattern=r"^[A-Za-z0-9_:-]{1,64}$")
-    workdir: str = Field("/work", pattern=r"^/[A-Za-z0-9._/-]{0,255}$")
+    workdir: str = Field("/work", pattern=r"^/[A-Za-z0-9._-][A-Za-z0-9._/-]{0,254}$")
     workdir_mb: int = Field(256, ge=1, le=1024 * 1024, description="size of the writable work dir")
     read_only_root: bool = True
     pids_limit: int = Field(256, ge=8, le=1_000_000)
@@ -215,9 +215,9 @@ class SandboxReport(Wire):
     labels: dict[str, str] = Field(default_factory=dict)
     cpus: float
     memory_mb: int
-    busy_s: float = Field(0.0, description="seconds spent running commands, all time")
-    frozen_s: float | None = Field(None, description="seconds since it was first frozen")
-    idle_s: float = Field(0.0, description="seconds since the last command ended (or start)")
+    busy_s: float = Field(0.0, ge=0, description="seconds spent running commands, all time")
+    frozen_s: float | None = Field(None, ge=0, description="seconds since it was first frozen")
+    idle_s: float = Field(0.0, ge=0, description="seconds since the last command ended (or start)")
 
 
 class NodeReport(Wire):

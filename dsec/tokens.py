@@ -24,3 +24,6 @@ def new_lease_id() -> str:
 def lease_token(secret: str, sandbox_id: str, lease_id: str) -> str:
     mac = hmac.new(secret.encode(), f"{sandbox_id}:{lease_id}".encode(), hashlib.sha256)
     return mac.hexdigest()
+
+
+LEASE_TOKEN_HEADER = "X-Dsec-Lease-Token"  # proves a release comes from the lease holder

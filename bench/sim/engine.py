@@ -142,7 +142,7 @@ async def _simulate(loop: VirtualTimeLoop, episodes: list[Episode], **o) -> RunR
         record.schedule_ms, record.path, record.node = lease.schedule_ms, lease.path, lease.node
         record.node_kind = agents.nodes[lease.node].kind
         await hold(episode, lease.id, lease.node, record, params.lease_idle_freeze_s)
-        await scheduler.release(lease.id)
+        await scheduler.release(lease.id, lease.lease_token)
         record.released_at_s = clock.now()
 
     async def hold(episode, sandbox_id, node_id, record, freeze_after_s) -> None:
