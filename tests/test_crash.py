@@ -98,12 +98,17 @@ async def assert_every_container_accounted_for(client, docker_client, pool) -> N
 
 async def write_ids(sandboxes: list[Sandbox]) -> None:
     """Each sandbox keeps its own id in a file: proof, later, that it is the same one."""
-    await asyncio.gather(*(sb.exec(["sh", "-c", f"echo {sb.id} > /work/id"]) for sb in sandboxes))
+    results = await asyncio.gather(
+        *(sb.exec(["sh", "-c", f"echo {sb.id} > /work/id"]) for sb in sandboxes)
+    )
+    assert [(r.exit_code, r.stderr) for r in results] == [(0, "")] * len(sandboxes)
 
 
 async def assert_same_sandboxes(sandboxes: list[Sandbox]) -> None:
     results = await asyncio.gather(*(sb.exec(["cat", "/work/id"]) for sb in sandboxes))
-    assert [r.stdout for r in results] == [f"{sb.id}\n" for sb in sandboxes]
+    assert [(r.exit_code, r.stdout, r.stderr) for r in results] == [
+        (0, f"{sb.id}\n", "") for sb in sandboxes
+    ]
 
 
 async def test_a_killed_agent_is_reported_lost_then_adopts_its_sandboxes(
