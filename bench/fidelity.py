@@ -20,9 +20,10 @@ from pathlib import Path
 
 from bench.replay_live import default_pool_spec, replay_live
 from bench.report import build_report, write_report
+from bench.runargs import add_run_arguments, load_run
 from bench.sim import simulate
 from bench.sim.profile import Profile
-from dsec.trace import TraceError, load_trace
+from dsec.trace import TraceError
 
 
 def relative_error(sim: float | None, live: float | None) -> float | None:
@@ -74,23 +75,12 @@ def render(result: dict) -> str:
 
 
 def add_fidelity_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--trace", type=Path, required=True)
-    parser.add_argument("--policy", default="dsec")
-    parser.add_argument("--nodes", type=int, default=3)
-    parser.add_argument("--slots-per-node", type=int, default=64)
-    parser.add_argument("--time-scale", type=float, default=1.0)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--profile", type=Path, help="a profile from `dsec bench calibrate`")
-    parser.add_argument("--out", type=Path, default=Path("out/fidelity"))
-    parser.add_argument("--json", action="store_true")
+    add_run_arguments(parser, out="out/fidelity")
 
 
 def run_fidelity(args: argparse.Namespace) -> int:
     try:
-        episodes = load_trace(args.trace)
-        profile = Profile.load(args.profile) if args.profile else None
-        if args.nodes < 1 or args.slots_per_node < 1 or args.time_scale <= 0:
-            raise ValueError("--nodes and --slots-per-node must be >= 1, --time-scale > 0")
+        episodes, profile = load_run(args)
     except (TraceError, ValueError, OSError) as e:
         print(f"dsec bench fidelity: {e}", file=sys.stderr)
         return 2

@@ -20,10 +20,10 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from bench.report import build_report
+from bench.runargs import add_run_arguments, load_run
 from bench.sim import simulate
-from bench.sim.profile import Profile
 from dsec.models import PoolParams
-from dsec.trace import TraceError, load_trace
+from dsec.trace import TraceError
 
 DEFAULT_GRID = {
     "warm_fraction": [0.05, 0.1, 0.2],
@@ -111,28 +111,17 @@ def render(rows: list[dict]) -> str:
 
 
 def add_sweep_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--trace", type=Path, required=True)
+    add_run_arguments(parser, out="out/sweep")
     parser.add_argument("--param", action="append", default=[],
                         help="NAME=V1,V2,... (repeat; default: a grid of warm_fraction, "
                              "freeze_after_s and scale_up_k)")  # fmt: skip
-    parser.add_argument("--policy", default="dsec")
-    parser.add_argument("--nodes", type=int, default=3)
-    parser.add_argument("--slots-per-node", type=int, default=64)
     parser.add_argument("--cloud-nodes", type=int, default=0)
-    parser.add_argument("--time-scale", type=float, default=1.0)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--profile", type=Path, help="a profile from `dsec bench calibrate`")
-    parser.add_argument("--out", type=Path, default=Path("out/sweep"))
-    parser.add_argument("--json", action="store_true")
 
 
 def run_sweep(args: argparse.Namespace) -> int:
     try:
         grid = dict(parse_param(p) for p in args.param) or DEFAULT_GRID
-        episodes = load_trace(args.trace)
-        profile = Profile.load(args.profile) if args.profile else None
-        if args.nodes < 1 or args.slots_per_node < 1 or args.time_scale <= 0:
-            raise ValueError("--nodes and --slots-per-node must be >= 1, --time-scale > 0")
+        episodes, profile = load_run(args)
         rows = sweep(
             episodes, grid, PoolParams(), policy=args.policy, nodes=args.nodes,
             slots_per_node=args.slots_per_node, cloud_nodes=args.cloud_nodes, seed=args.seed,
