@@ -27,6 +27,7 @@ import random
 import sys
 from collections.abc import Iterable, Iterator, Sequence
 
+from bench.stats import quantile
 from dsec.plan import lognormal_from_median_p99
 from dsec.trace import MAX_STEPS_PER_EPISODE, Episode, Step, dump_trace
 
@@ -200,11 +201,6 @@ def generate(
     ]
 
 
-def _quantile(sorted_values: Sequence[float], q: float) -> float:
-    """Nearest-rank quantile of values already sorted."""
-    return sorted_values[max(0, math.ceil(q * len(sorted_values)) - 1)]
-
-
 def summarize(episodes: Sequence[Episode]) -> dict[str, float | int]:
     """What a (non-empty) trace asks of a pool: size, lifetimes, exec share, concurrency."""
     lifetimes = sorted(episode.lifetime_s for episode in episodes)
@@ -223,8 +219,8 @@ def summarize(episodes: Sequence[Episode]) -> dict[str, float | int]:
         "steps": sum(len(episode.steps) for episode in episodes),
         "first_arrival_s": first_arrival_s,
         "last_arrival_s": max(episode.arrival_s for episode in episodes),
-        "lifetime_p50_s": _quantile(lifetimes, 0.50),
-        "lifetime_p99_s": _quantile(lifetimes, 0.99),
+        "lifetime_p50_s": quantile(lifetimes, 0.50),
+        "lifetime_p99_s": quantile(lifetimes, 0.99),
         "exec_share": (
             sum(episode.busy_s for episode in episodes) / total_lifetime_s
             if total_lifetime_s

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.records import SCHEDULE_PATHS, RunResult
-from bench.stats import quantile
+from bench.stats import latency_summary
 
 REPORT_FILE = "report.json"
 LATENCIES_FILE = "latencies.json"
@@ -47,21 +47,6 @@ STATE_ORDER = (
     "lost",
 )
 RUN_FIELDS = ("trace", "policy", "params", "mode", "seed", "time_scale")
-
-
-def latency_summary(values_ms: Sequence[float]) -> dict[str, float | int | None]:
-    """Count, p50, p95, p99 and max of latencies in milliseconds (None for no values)."""
-
-    def rounded(q: float) -> float | None:
-        return round(quantile(values_ms, q), 3) if values_ms else None
-
-    return {
-        "n": len(values_ms),
-        "p50": rounded(0.50),
-        "p95": rounded(0.95),
-        "p99": rounded(0.99),
-        "max": rounded(1.0),
-    }
 
 
 def schedule_latencies(result: RunResult) -> dict[str, list[float]]:

@@ -14,12 +14,21 @@ def quantile(values: Sequence[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
 
 
-def summary_ms(seconds: Sequence[float]) -> dict[str, float]:
-    """p50, p95, p99 and max of latencies given in seconds, in milliseconds."""
+def latency_summary(values_ms: Sequence[float]) -> dict[str, float | int | None]:
+    """Count, p50, p95, p99 and max of latencies in milliseconds (None for no values)."""
+
+    def rounded(q: float) -> float | None:
+        return round(quantile(values_ms, q), 3) if values_ms else None
+
     return {
-        "n": len(seconds),
-        "p50": round(quantile(seconds, 0.50) * 1000, 3),
-        "p95": round(quantile(seconds, 0.95) * 1000, 3),
-        "p99": round(quantile(seconds, 0.99) * 1000, 3),
-        "max": round(max(seconds, default=math.nan) * 1000, 3),
+        "n": len(values_ms),
+        "p50": rounded(0.50),
+        "p95": rounded(0.95),
+        "p99": rounded(0.99),
+        "max": rounded(1.0),
     }
+
+
+def summary_ms(seconds: Sequence[float]) -> dict[str, float | int | None]:
+    """The same summary, of latencies given in seconds."""
+    return latency_summary([s * 1000 for s in seconds])

@@ -9,10 +9,8 @@ can be exercised without a cloud account.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
-import signal
 import sys
 from pathlib import Path
 from typing import Protocol
@@ -20,6 +18,7 @@ from typing import Protocol
 from pydantic import BaseModel, ConfigDict, Field
 
 from dsec.models import Capacity, Name
+from dsec.processes import stop_process
 
 log = logging.getLogger(__name__)
 
@@ -101,13 +100,7 @@ class LocalCloudProvider:
         proc = self.procs.pop(node_id, None)
         if proc is None or proc.returncode is not None:
             return
-        with contextlib.suppress(ProcessLookupError):
-            proc.send_signal(signal.SIGTERM)  # it removes its sandboxes on the way out
-        try:
-            await asyncio.wait_for(proc.wait(), 60)
-        except TimeoutError:
-            proc.kill()
-            await proc.wait()
+        await stop_process(proc)  # it removes its sandboxes on the way out
         log.info("cloud node %s stopped", node_id)
 
     async def close(self) -> None:

@@ -12,7 +12,6 @@ import asyncio
 import contextlib
 import json
 import os
-import signal
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +24,7 @@ from controlplane.cloud import CloudConfig
 from controlplane.config import ControlPlaneConfig
 from dsec.image import ensure_base_image
 from dsec.models import Capacity, PoolParams
+from dsec.processes import stop_process
 from dsec.tokens import new_token
 
 READY_TIMEOUT_S = 60.0
@@ -236,14 +236,7 @@ class LocalPool:
         return await asyncio.to_thread(self._sweep_containers)
 
     async def _stop_child(self, child: Child) -> None:
-        if child.proc.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                child.proc.send_signal(signal.SIGTERM)
-            try:
-                await asyncio.wait_for(child.proc.wait(), 60)
-            except TimeoutError:
-                child.proc.kill()
-                await child.proc.wait()
+        await stop_process(child.proc)
         if child.drain is not None:
             with contextlib.suppress(Exception):
                 await child.drain

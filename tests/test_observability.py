@@ -16,7 +16,6 @@ import math
 import os
 import re
 import shutil
-import signal
 import socket
 import sys
 import time
@@ -36,6 +35,7 @@ from controlplane.metrics import UNKNOWN_POOL
 from dsec.client import Client, DsecError
 from dsec.localpool import LocalPool
 from dsec.models import SANDBOX_ID_RE, Capacity, PoolParams
+from dsec.processes import stop_process
 from dsec.states import SandboxState
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -140,14 +140,7 @@ class CloudAgent:
     drain: asyncio.Task | None = None
 
     async def stop(self) -> None:
-        if self.proc.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                self.proc.send_signal(signal.SIGTERM)
-            try:
-                await asyncio.wait_for(self.proc.wait(), 60)
-            except TimeoutError:
-                self.proc.kill()
-                await self.proc.wait()
+        await stop_process(self.proc)
         if self.drain is not None:
             with contextlib.suppress(Exception):
                 await self.drain
