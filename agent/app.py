@@ -91,6 +91,8 @@ class AgentConfig(BaseModel):
     state_dir: Path
     heartbeat_s: float = Field(1.0, gt=0, le=60)
     images_refresh_s: float = Field(10.0, gt=0)
+    engine_check_s: float = Field(1.0, gt=0, le=60, description="how often the engine is pinged")
+    engine_check_timeout_s: float = Field(5.0, gt=0, le=60, description="a slower answer: down")
     cleanup_on_exit: bool = False
 
 
@@ -125,7 +127,7 @@ class Sandbox:
             idempotency_key=r.idempotency_key,
             labels=r.labels,
             cpus=self.spec.cpus,
-            memory_mb=self.spec.memory_mb,
+            memory_mb=self.spec.memory_limit_mb,
             busy_s=self.busy_s,
             idle_s=0.0 if self.running_execs else max(0.0, now - self.last_active),
             frozen_s=None if self.frozen_at is None else max(0.0, now - self.frozen_at),
@@ -145,6 +147,9 @@ class Agent:
         self.audit = AuditLog(config.state_dir / f"{config.node_id}-audit.jsonl")
         self.sandboxes: dict[str, Sandbox] = {}
         self.released: OrderedDict[str, None] = OrderedDict()
+        # sandboxes whose container died with the engine -> why, for their clients
+        self.lost: OrderedDict[str, str] = OrderedDict()
+        self.engine_ok = True  # the engine answered its last check or call
         self.images: list[str] = []
         self.url = ""  # set by listening_at() once the port is known
         self.listening = asyncio.Event()
@@ -174,7 +179,7 @@ class Agent:
         live = [s for s in self.sandboxes.values() if s.occupies]
         return Usage(
             cpus=round(sum(s.spec.cpus for s in live), 6),
-            memory_mb=sum(s.spec.memory_mb for s in live),
+            memory_mb=sum(s.spec.memory_limit_mb for s in live),
             slots=len(live),
         )
 
@@ -183,7 +188,7 @@ class Agent:
         return (
             used.slots + 1 <= cap.slots
             and used.cpus + spec.cpus <= cap.cpus + 1e-9
-            and used.memory_mb + spec.memory_mb <= cap.memory_mb
+            and used.memory_mb + spec.memory_limit_mb <= cap.memory_mb
         )
 
     def report(self) -> NodeReport:
@@ -197,6 +202,7 @@ class Agent:
             images=self.images,
             sandboxes=[s.report(now) for s in self.sandboxes.values()],
             incarnation=self.incarnation,
+            engine_ok=self.engine_ok,
         )
 
     # --- lifecycle ------------------------------------------------------------
@@ -220,6 +226,7 @@ class Agent:
         existing = self.sandboxes.get(req.sandbox_id)
         if existing is not None:
             return existing, False
+        self._require_engine()
         if not self.has_room_for(req.template):
             raise ApiError(
                 409,
@@ -244,7 +251,7 @@ class Agent:
             await self.store.put(record)
         except DockerOpError as e:
             self.sandboxes.pop(req.sandbox_id, None)
-            self.metrics.docker_error(e.op, e.kind)
+            self._docker_failed(e)
             if record.container_id:
                 with contextlib.suppress(DockerOpError):
                     await self.docker.remove(record.container_id)
@@ -260,6 +267,8 @@ class Agent:
     def get(self, sandbox_id: str) -> Sandbox:
         sandbox = self.sandboxes.get(sandbox_id)
         if sandbox is None:
+            if sandbox_id in self.lost:
+                raise ApiError(410, "sandbox_lost", f"sandbox {sandbox_id} {self.lost[sandbox_id]}")
             if sandbox_id in self.released:
                 raise ApiError(410, "released", f"sandbox {sandbox_id} was released")
             raise ApiError(404, "unknown_sandbox", f"no sandbox {sandbox_id} on this node")
@@ -272,6 +281,8 @@ class Agent:
         async with sandbox.lock:
             if sandbox.record.lease_id == grant.lease_id:
                 return sandbox  # a retry of the same grant
+            # while the engine is away its containers may be dead: hand none out
+            self._require_engine()
             if sandbox.record.lease_id is not None:
                 raise ApiError(409, "already_leased", f"sandbox {sandbox_id} is leased already")
             if sandbox.state == SandboxState.PAUSED:
@@ -321,7 +332,7 @@ class Agent:
                 archive = await self.docker.archive_dir(cid, spec.workdir, spec.workdir_mb << 20)
                 image = await self.docker.commit(cid, HIBERNATED_REPOSITORY, sandbox_id)
             except DockerOpError as e:
-                self.metrics.docker_error(e.op, e.kind)
+                self._docker_failed(e)
                 with contextlib.suppress(DockerOpError):
                     await self.docker.pause(cid)
                 raise ApiError(502, f"docker_{e.kind}", str(e)) from e
@@ -349,7 +360,7 @@ class Agent:
             )
             await self.docker.restore_dir(record.container_id, spec.workdir, archive)
         except DockerOpError as e:
-            self.metrics.docker_error(e.op, e.kind)
+            self._docker_failed(e)
             if record.container_id:
                 with contextlib.suppress(DockerOpError):
                     await self.docker.remove(record.container_id)
@@ -403,11 +414,25 @@ class Agent:
         while len(self.released) > TOMBSTONES:
             self.released.popitem(last=False)
 
+    def _docker_failed(self, e: DockerOpError) -> None:
+        self.metrics.docker_error(e.op, e.kind)
+        if e.kind == "engine_unreachable":
+            self.engine_ok = False  # the engine watch brings it back
+
+    def _require_engine(self) -> None:
+        if not self.engine_ok:
+            raise ApiError(
+                503,
+                "docker_engine_down",
+                f"the Docker engine of node {self.config.node_id} is not answering; "
+                "this node takes no new work until it is back",
+            )
+
     async def _docker_or_502(self, op) -> None:
         try:
             await op
         except DockerOpError as e:
-            self.metrics.docker_error(e.op, e.kind)
+            self._docker_failed(e)
             raise ApiError(502, f"docker_{e.kind}", str(e)) from e
 
     async def exec(
@@ -466,7 +491,7 @@ class Agent:
                 req.max_output_bytes,
             )
         except DockerOpError as e:
-            self.metrics.docker_error(e.op, e.kind)
+            self._docker_failed(e)
             if sandbox_id not in self.sandboxes:
                 raise ApiError(410, "released", f"sandbox {sandbox_id} was released") from e
             if await self._stopped(sandbox):
@@ -495,7 +520,7 @@ class Agent:
         try:
             return not await self.docker.running(sandbox.record.container_id)
         except DockerOpError as e:
-            self.metrics.docker_error(e.op, e.kind)
+            self._docker_failed(e)
             return False  # cannot tell: the command's own result is the answer
 
     async def _audit(self, record: AuditRecord) -> None:
@@ -516,7 +541,7 @@ class Agent:
         for c in containers:
             sandbox_id = c.labels.get(LABEL_SANDBOX, "")
             record = records.pop(sandbox_id, None)
-            if record is None or c.status not in ("running", "paused"):
+            if record is None or not c.alive:
                 # no record, or its processes died with the engine: nothing to hand back
                 log.info("removing unaccounted container %s (%s)", c.container_id[:12], c.status)
                 await self.docker.remove(c.container_id)
@@ -539,6 +564,55 @@ class Agent:
                 continue
             await self.store.delete(record.id)  # recorded, but its container is gone
 
+    async def watch_engine_forever(self) -> None:
+        while True:
+            await self.clock.sleep(self.config.engine_check_s)
+            await self.check_engine()
+
+    async def check_engine(self) -> None:
+        """Ping the engine. When it answers again after an outage, reconcile first: an
+        engine that restarted has stopped every container (there is no live restore)."""
+        try:
+            await asyncio.wait_for(self.docker.ping(), self.config.engine_check_timeout_s)
+            if not self.engine_ok:
+                await self.reconcile()
+                log.info("the Docker engine is back; node %s takes work again", self.config.node_id)
+            self.engine_ok = True
+        except TimeoutError:
+            self.engine_ok = False
+        except DockerOpError as e:
+            self._docker_failed(e)
+            self.engine_ok = False
+
+    async def reconcile(self) -> None:
+        """Drop the sandboxes whose containers are no longer running or paused. Their
+        clients learn it from the control plane (a lease reported lost) and from this
+        agent (410 sandbox_lost), and the pool refills without them."""
+        containers = await self.docker.list_labelled(self.config.node_id)
+        alive = {c.labels.get(LABEL_SANDBOX) for c in containers if c.alive}
+        for sandbox in list(self.sandboxes.values()):
+            if sandbox.record.id in alive or sandbox.state in (
+                SandboxState.CREATING,  # its create call is still in Docker's hands
+                SandboxState.HIBERNATED,  # no container: its image and archive survive
+                SandboxState.DESTROYING,
+            ):
+                continue
+            async with sandbox.lock:
+                if self.sandboxes.get(sandbox.record.id) is not sandbox:
+                    continue
+                log.warning("sandbox %s died with the Docker engine", sandbox.record.id)
+                sandbox.move(SandboxState.DESTROYING)
+                if sandbox.record.container_id:
+                    await self.docker.remove(sandbox.record.container_id)
+                await self.store.delete(sandbox.record.id)
+                del self.sandboxes[sandbox.record.id]
+                self.lost[sandbox.record.id] = (
+                    "was lost: its container stopped when the node's Docker engine restarted; "
+                    "release it and acquire another"
+                )
+                while len(self.lost) > TOMBSTONES:
+                    self.lost.popitem(last=False)
+
     async def refresh_images_forever(self) -> None:
         """The images this node holds, for placement; apart from the heartbeat, so a
         Docker engine busy with creates never delays a heartbeat."""
@@ -550,7 +624,7 @@ class Agent:
         try:
             self.images = await self.docker.image_tags()
         except DockerOpError as e:
-            self.metrics.docker_error(e.op, e.kind)
+            self._docker_failed(e)
 
     async def heartbeat_forever(self) -> None:
         assert self.config.controlplane_url
@@ -766,7 +840,10 @@ def create_agent_app(agent: Agent) -> web.Application:
     async def lifecycle(app: web.Application) -> AsyncIterator[None]:
         await agent.adopt()
         await agent.refresh_images()  # the first heartbeat already says what it holds
-        loops = [asyncio.create_task(agent.refresh_images_forever(), name="images")]
+        loops = [
+            asyncio.create_task(agent.refresh_images_forever(), name="images"),
+            asyncio.create_task(agent.watch_engine_forever(), name="engine"),
+        ]
         if agent.config.controlplane_url:
             loops.append(asyncio.create_task(agent.heartbeat_forever(), name="heartbeat"))
         yield

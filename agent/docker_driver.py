@@ -32,7 +32,6 @@ from dsec.models import TemplateSpec
 T = TypeVar("T")
 STDOUT, STDERR = 1, 2
 TIMEOUT_EXIT_CODE = 124  # what coreutils' timeout(1) returns, so scripts read it the same way
-TMP_MB = 64  # the sandbox's /tmp, a tmpfs beside its work dir
 RUNC_STOPPED = b"cannot exec in a stopped state"  # runc's answer to an exec in a dead container
 
 LABEL_NODE = "dsec.node"
@@ -79,6 +78,11 @@ class ContainerSummary:
     status: str  # docker's: created, running, paused, exited, ...
     labels: dict[str, str]
 
+    @property
+    def alive(self) -> bool:
+        """Its processes still exist (running, or frozen by a pause)."""
+        return self.status in ("running", "paused")
+
 
 @dataclass
 class ExecOutput:
@@ -100,13 +104,12 @@ class DockerDriver:
         """Create and start a sandbox container, hardened as its template says."""
         tmpfs = {
             spec.workdir: f"rw,size={spec.workdir_mb}m,mode=0755,uid=1000,gid=1000",
-            "/tmp": f"rw,size={TMP_MB}m,mode=1777",
+            "/tmp": f"rw,size={spec.tmp_mb}m,mode=1777",
         }
-        # tmpfs pages are charged to the container's memory cgroup. The limit makes
-        # room for both file systems on top of memory_mb, so filling the work dir fails
-        # with ENOSPC at workdir_mb instead of OOM-killing every process in the sandbox,
-        # and memory_mb stays what the processes get.
-        ram_limit = (spec.memory_mb + spec.workdir_mb + TMP_MB) << 20
+        # The limit makes room for both file systems on top of memory_mb, so filling the
+        # work dir fails with ENOSPC at workdir_mb instead of OOM-killing every process in
+        # the sandbox, and memory_mb stays what the processes get.
+        ram_limit = spec.memory_limit_mb << 20
         container = self.client.containers.create(
             spec.image,
             command=spec.command,
@@ -202,6 +205,9 @@ class DockerDriver:
         rows = self.api.containers(all=True, filters={"label": f"{LABEL_NODE}={node_id}"})
         return [ContainerSummary(r["Id"], r["State"], r.get("Labels") or {}) for r in rows]
 
+    def ping(self) -> None:
+        self.api.ping()
+
     def image_tags(self) -> list[str]:
         return sorted({t for img in self.api.images() for t in (img.get("RepoTags") or [])})
 
@@ -293,6 +299,8 @@ class AsyncDocker:
         self.observe = observe
         self.lifecycle_pool = ThreadPoolExecutor(lifecycle_threads, "docker-op")
         self.exec_pool = ThreadPoolExecutor(exec_threads, "docker-exec")
+        # its own thread: a check never waits behind creates, and a hung one holds no other
+        self.ping_pool = ThreadPoolExecutor(1, "docker-ping")
 
     async def call(self, op: str, fn: Callable[..., T], *args: Any, pool=None) -> T:
         loop = asyncio.get_running_loop()
@@ -335,6 +343,9 @@ class AsyncDocker:
 
     async def list_labelled(self, node_id: str) -> list[ContainerSummary]:
         return await self.call("list", self.driver.list_labelled, node_id)
+
+    async def ping(self) -> None:
+        await self.call("ping", self.driver.ping, pool=self.ping_pool)
 
     async def image_tags(self) -> list[str]:
         return await self.call("images", self.driver.image_tags)
@@ -401,3 +412,4 @@ class AsyncDocker:
     def close(self) -> None:
         self.lifecycle_pool.shutdown(wait=True, cancel_futures=True)
         self.exec_pool.shutdown(wait=True, cancel_futures=True)
+        self.ping_pool.shutdown(wait=False, cancel_futures=True)  # a hung ping holds no one

@@ -371,7 +371,7 @@ def default_pool_spec(
         nodes=nodes,
         port=0,
         capacity=Capacity(
-            cpus=slots_per_node, memory_mb=slots_per_node * 512, slots=slots_per_node
+            cpus=slots_per_node, memory_mb=slots_per_node * 1024, slots=slots_per_node
         ),
         cloud_nodes=cloud_nodes,
         policy=policy,

@@ -151,6 +151,9 @@ async def list_nodes(request: web.Request) -> web.Response:
                 kind=n.kind,
                 url=n.url,
                 healthy=n.healthy,
+                placeable=n.placeable(now),
+                engine_ok=n.engine_ok,
+                failures=n.failures,
                 heartbeat_age_s=max(0.0, now - n.last_seen),
                 capacity=Capacity(
                     cpus=n.capacity.cpus, memory_mb=n.capacity.memory_mb, slots=n.capacity.slots

@@ -30,7 +30,7 @@ class CloudConfig(BaseModel):
     node_prefix: Name = "cloud"
     boot_delay_s: float = Field(2.0, ge=0, le=3600)
     idle_release_s: float = Field(60.0, gt=0, le=86_400)
-    capacity: Capacity = Capacity(cpus=16, memory_mb=32768, slots=64)
+    capacity: Capacity = Capacity(cpus=16, memory_mb=65536, slots=64)
     state_dir: Path = Path.home() / ".dsec" / "cloud"
     heartbeat_s: float = Field(1.0, gt=0, le=60)
 

@@ -39,6 +39,12 @@ class ControlPlaneConfig(BaseModel):
     refusal_cooldown_s: float = Field(
         5.0, ge=0, le=3600, description="no placements on a node this long after it refused one"
     )
+    node_failure_threshold: int = Field(
+        3, ge=1, le=1000, description="failed calls in a row that take a node out of placement"
+    )
+    node_failure_backoff_s: float = Field(
+        2.0, gt=0, le=60, description="first time out of placement; doubles per failure, to 60 s"
+    )
     peak_window_s: float = Field(600.0, gt=0, le=86_400, description="'recent' in recent peak")
     cloud: CloudConfig | None = None
     policy: Literal["dsec", "cold", "static", "hpa", "keda", "kpa"] = Field(

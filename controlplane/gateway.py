@@ -22,6 +22,12 @@ class CallResult:
         """The agent said no for good (no room, wrong node): try another node."""
         return self.status in (409, 422)
 
+    @property
+    def node_fault(self) -> bool:
+        """The node failed (unreachable, or its agent or Docker broke), rather than
+        answering no: what counts towards taking it out of placement."""
+        return self.status == 0 or self.status >= 500
+
 
 class AgentGateway:
     def __init__(self, agent_token: str, timeout_s: float = 30.0) -> None:

@@ -63,6 +63,11 @@ class ViewCollector(Collector):
         healthy = GaugeMetricFamily(
             "dsec_node_healthy", "1 while a node heartbeats in time", labels=["node", "kind"]
         )
+        placeable = GaugeMetricFamily(
+            "dsec_node_placeable",
+            "1 while a node takes new work: heartbeats in time, engine up, calls not failing",
+            labels=["node", "kind"],
+        )
         now = self.now()
         used = self.view.used_by_node()
         for node in self.view.nodes.values():
@@ -70,9 +75,11 @@ class ViewCollector(Collector):
             utilisation.add_metric([node.id, node.kind], ratio)
             age.add_metric([node.id], max(0.0, now - node.last_seen))
             healthy.add_metric([node.id, node.kind], 1.0 if node.healthy else 0.0)
+            placeable.add_metric([node.id, node.kind], 1.0 if node.placeable(now) else 0.0)
         yield utilisation
         yield age
         yield healthy
+        yield placeable
 
 
 class ControlPlaneMetrics:
@@ -121,6 +128,13 @@ class ControlPlaneMetrics:
             "dsec_agent_call_errors_total",
             "Calls to agents that failed",
             ["node", "op", "code"],
+            registry=r,
+        )
+
+        self.nodes_taken_out = Counter(
+            "dsec_nodes_taken_out_total",
+            "Times a node was taken out of placement for failing calls in a row",
+            ["node"],
             registry=r,
         )
 

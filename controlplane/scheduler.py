@@ -136,7 +136,7 @@ class Scheduler:
 
     def snapshot(self, now: float) -> Snapshot:
         templates = {
-            name: TemplateSnap(name, t.image, t.cpus, t.memory_mb, t.may_overflow)
+            name: TemplateSnap(name, t.image, t.cpus, t.memory_limit_mb, t.may_overflow)
             for name, t in self.config.templates.items()
         }
         requests = tuple(
@@ -234,7 +234,7 @@ class Scheduler:
             since=now,
             created_at=self.clock.wall(),
             cpus=template.cpus,
-            memory_mb=template.memory_mb,
+            memory_mb=template.memory_limit_mb,
             reserved_for=action.for_request,
         )
         self.view.add(entry)
@@ -247,8 +247,8 @@ class Scheduler:
         )
 
         async def run() -> None:
-            result = await self.gateway.call(
-                "POST", f"{node.url}/v1/sandboxes", body, request_id=entry.id
+            result = await self._call_node(
+                node.id, "POST", f"{node.url}/v1/sandboxes", body, request_id=entry.id
             )
             self._on_created(entry, result)
 
@@ -300,7 +300,7 @@ class Scheduler:
         url = f"{self._node_url(entry.node)}/v1/sandboxes/{entry.id}/lease"
 
         async def run() -> None:
-            result = await self.gateway.call("POST", url, grant, request_id=req.id)
+            result = await self._call_node(entry.node, "POST", url, grant, request_id=req.id)
             self._on_leased(entry, req, action.path, result)
 
         self._spawn(entry, run())
@@ -343,8 +343,8 @@ class Scheduler:
             if node is None:
                 result = CallResult(False, 0, "unreachable", f"node {entry.node} is unknown")
             else:
-                result = await self.gateway.call(
-                    "DELETE", f"{node.url}/v1/sandboxes/{entry.id}", request_id=entry.id
+                result = await self._call_node(
+                    node.id, "DELETE", f"{node.url}/v1/sandboxes/{entry.id}", request_id=entry.id
                 )
             self._on_destroyed(entry, result)
 
@@ -391,7 +391,7 @@ class Scheduler:
         url = f"{self._node_url(entry.node)}/v1/sandboxes/{entry.id}/{verb}"
 
         async def run() -> None:
-            result = await self.gateway.call("POST", url, request_id=entry.id)
+            result = await self._call_node(entry.node, "POST", url, request_id=entry.id)
             entry.op_in_flight = False
             now = self.clock.now()
             if result.ok:
@@ -443,6 +443,24 @@ class Scheduler:
     def _track(self, task: asyncio.Task) -> None:
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
+
+    async def _call_node(
+        self, node_id: str, method: str, url: str, body=None, *, request_id: str
+    ) -> CallResult:
+        """Call an agent, and keep count of the node's failures: one that keeps failing
+        is out of placement until a probe after its backoff succeeds."""
+        result = await self.gateway.call(method, url, body, request_id=request_id)
+        if not result.node_fault:
+            self.view.call_succeeded(node_id)
+        elif self.view.call_failed(
+            node_id,
+            self.clock.now(),
+            self.config.node_failure_threshold,
+            self.config.node_failure_backoff_s,
+        ):
+            self.metrics.nodes_taken_out.labels(node_id).inc()
+            log.warning("node %s keeps failing (%s): out of placement", node_id, result.code)
+        return result
 
     def _call_failed(self, entry: SandboxEntry, op: str, result: CallResult) -> None:
         # back off: an agent that is down is not asked again on every tick

@@ -27,10 +27,17 @@ class NodeEntry:
     images: frozenset[str]
     incarnation: str
     last_seen: float
-    healthy: bool = True
+    healthy: bool = True  # heartbeats in time
+    engine_ok: bool = True  # its Docker engine answers (the agent checks)
     refused_until: float = 0.0  # after a refusal, no placements here for a moment
+    failures: int = 0  # calls to it that failed (5xx, unreachable) in a row
+    failing_until: float = 0.0  # out of placement after failures, until then
     empty_since: float | None = None  # since when it holds no sandbox at all
     draining: bool = False  # being released: no placements
+
+    def placeable(self, now: float) -> bool:
+        """Takes work: new sandboxes, and claims of the ones it holds."""
+        return self.healthy and self.engine_ok and not self.draining and now >= self.failing_until
 
 
 @dataclass
@@ -95,7 +102,10 @@ class ClusterView:
         # NodeSnaps are rebuilt only for nodes that changed since the last snapshot
         self._node_snaps: dict[str, NodeSnap] = {}
         self._dirty_nodes: set[str] = set()
-        self._refusing: dict[str, float] = {}  # node -> until when it refuses placements
+        # node -> when its snapshot changes by itself (a refusal or a failure backoff ends)
+        self._changes_at: dict[str, float] = {}
+        # nodes not placeable at the last snapshot: their sandboxes are left alone
+        self._unplaceable: set[str] = set()
 
     def _count(self, entry: SandboxEntry, sign: int) -> None:
         self._dirty_nodes.add(entry.node)
@@ -158,8 +168,33 @@ class ClusterView:
         """No placements on this node until then: it refused one."""
         if node := self.nodes.get(node_id):
             node.refused_until = until
-            self._refusing[node_id] = until
+            self._change_at(node_id, until)
+
+    def call_failed(self, node_id: str, now: float, threshold: int, backoff_s: float) -> bool:
+        """A call to the node failed on its side. After `threshold` in a row it is out of
+        placement for a backoff that doubles with every further failure (to 60 s); when
+        it ends, the next call is a probe. True when this failure took it out."""
+        node = self.nodes.get(node_id)
+        if node is None:
+            return False
+        node.failures += 1
+        if node.failures < threshold:
+            return False
+        delay = min(60.0, backoff_s * 2 ** (node.failures - threshold))
+        node.failing_until = now + delay
+        self._change_at(node_id, node.failing_until)
+        return True
+
+    def call_succeeded(self, node_id: str) -> None:
+        node = self.nodes.get(node_id)
+        if node is not None and node.failures:
+            node.failures = 0
+            node.failing_until = 0.0
             self._dirty_nodes.add(node_id)
+
+    def _change_at(self, node_id: str, at: float) -> None:
+        self._changes_at[node_id] = max(at, self._changes_at.get(node_id, 0.0))
+        self._dirty_nodes.add(node_id)
 
     def set_draining(self, node_id: str, draining: bool) -> None:
         if node := self.nodes.get(node_id):
@@ -182,10 +217,13 @@ class ClusterView:
             images=frozenset(report.images),
             incarnation=report.incarnation,
             last_seen=now,
+            engine_ok=report.engine_ok,
         )
         self._dirty_nodes.add(node.id)
         if previous is not None:
             node.refused_until = previous.refused_until
+            node.failures = previous.failures
+            node.failing_until = previous.failing_until
             node.empty_since = previous.empty_since
             node.draining = previous.draining
         reported = {s.id: s for s in report.sandboxes}
@@ -262,9 +300,9 @@ class ClusterView:
         return newly_down
 
     def node_snaps(self, now: float) -> tuple[NodeSnap, ...]:
-        for node_id, until in list(self._refusing.items()):
-            if now >= until:  # its refusal has run out
-                del self._refusing[node_id]
+        for node_id, at in list(self._changes_at.items()):
+            if now >= at:  # a refusal or a failure backoff has run out
+                del self._changes_at[node_id]
                 self._dirty_nodes.add(node_id)
         for node_id in self._dirty_nodes:
             n = self.nodes.get(node_id)
@@ -275,10 +313,15 @@ class ClusterView:
                 n.empty_since = None
             elif n.empty_since is None:
                 n.empty_since = now
+            placeable = n.placeable(now)
+            if placeable:
+                self._unplaceable.discard(node_id)
+            else:
+                self._unplaceable.add(node_id)
             self._node_snaps[node_id] = NodeSnap(
                 n.id,
                 n.kind,
-                n.healthy and not n.draining,
+                placeable,
                 n.capacity,
                 self.used(n.id),
                 n.images,
@@ -290,6 +333,7 @@ class ClusterView:
 
     def drop_node(self, node_id: str) -> None:
         self.nodes.pop(node_id, None)
+        self._unplaceable.discard(node_id)
         self._dirty_nodes.add(node_id)
 
     def sandbox_snaps(self, leases_idle_since: float | None) -> tuple[SandboxSnap, ...]:
@@ -307,6 +351,14 @@ class ClusterView:
                 and s.idle_since is not None
                 and s.idle_since <= leases_idle_since
             )
+        if self._unplaceable:
+            # a node that cannot take work cannot hand out, freeze or remove what it holds
+            # either: its sandboxes wait for it to come back (creates under way still count)
+            snaps = [
+                s
+                for s in snaps
+                if s.node not in self._unplaceable or s.state == SandboxState.CREATING
+            ]
         return tuple(snaps)
 
 

@@ -270,7 +270,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--port", type=int, default=8700, help="control plane port (0: any)")
     up.add_argument("--slots-per-node", type=int, default=64)
     up.add_argument("--cpus-per-node", type=float, default=16)
-    up.add_argument("--memory-mb-per-node", type=int, default=32768)
+    up.add_argument("--memory-mb-per-node", type=int, default=65536)
     up.add_argument("--min-warm", type=int, default=4, help="warm sandboxes in pool 'default'")
     up.add_argument(
         "--cloud-nodes",
@@ -295,7 +295,7 @@ def build_parser() -> argparse.ArgumentParser:
     ag.add_argument("--port", type=int, default=8701)
     ag.add_argument("--controlplane", help="control plane URL to register with")
     ag.add_argument("--cpus", type=float, default=16)
-    ag.add_argument("--memory-mb", type=int, default=32768)
+    ag.add_argument("--memory-mb", type=int, default=65536)
     ag.add_argument("--slots", type=int, default=64)
     ag.add_argument("--state-dir", type=Path, default=DEFAULT_STATE_DIR)
     ag.add_argument("--heartbeat-s", type=float, default=1.0)

@@ -39,7 +39,7 @@ class LocalPoolSpec:
     name: str = "dsec"
     nodes: int = 3
     port: int = 8700
-    capacity: Capacity = field(default_factory=lambda: Capacity(cpus=16, memory_mb=32768, slots=64))
+    capacity: Capacity = field(default_factory=lambda: Capacity(cpus=16, memory_mb=65536, slots=64))
     pool: PoolParams = field(default_factory=PoolParams)
     state_dir: Path = field(default_factory=lambda: Path.home() / ".dsec")
     heartbeat_s: float = 1.0

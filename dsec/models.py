@@ -140,12 +140,20 @@ class TemplateSpec(Wire):
     user: str = Field("1000:1000", pattern=r"^[A-Za-z0-9_:-]{1,64}$")
     workdir: str = Field("/work", pattern=r"^/[A-Za-z0-9._-][A-Za-z0-9._/-]{0,254}$")
     workdir_mb: int = Field(256, ge=1, le=1024 * 1024, description="size of the writable work dir")
+    tmp_mb: int = Field(64, ge=1, le=1024 * 1024, description="size of /tmp")
     read_only_root: bool = True
     pids_limit: int = Field(256, ge=8, le=1_000_000)
     nofile_limit: int = Field(1024, ge=16, le=1_048_576)
     command: list[str] = Field(
         default_factory=lambda: ["sleep", "2147483647"], min_length=1, max_length=64
     )
+
+    @property
+    def memory_limit_mb(self) -> int:
+        """What a sandbox may hold in RAM, and so what a node sets aside for it: its
+        processes' memory_mb plus the work dir and /tmp, tmpfs file systems whose pages
+        are charged to the container's memory cgroup."""
+        return self.memory_mb + self.workdir_mb + self.tmp_mb
 
 
 class PoolParams(Wire):
@@ -231,6 +239,7 @@ class NodeReport(Wire):
     images: list[str] = Field(default_factory=list, max_length=10_000)
     sandboxes: list[SandboxReport] = Field(default_factory=list, max_length=1_000_000)
     incarnation: str = Field(description="changes every time the agent process starts")
+    engine_ok: bool = Field(True, description="the node's Docker engine answered its last check")
 
 
 class NodeInfo(Wire):
@@ -238,6 +247,11 @@ class NodeInfo(Wire):
     kind: NodeKind
     url: str
     healthy: bool
+    placeable: bool = Field(
+        description="takes new sandboxes: heartbeats in time, engine up, calls not failing"
+    )
+    engine_ok: bool
+    failures: int = Field(description="calls to it that failed in a row")
     heartbeat_age_s: float
     capacity: Capacity
     usage: Usage

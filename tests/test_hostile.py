@@ -20,7 +20,7 @@ import pytest
 import pytest_asyncio
 from conftest import make_spec, started_pool
 
-from agent.docker_driver import LABEL_SANDBOX, TMP_MB
+from agent.docker_driver import LABEL_SANDBOX
 from controlplane.config import default_templates
 from dsec.client import Client, DsecError, Sandbox
 from dsec.image import PASSWD
@@ -83,7 +83,7 @@ async def test_a_sandbox_runs_with_every_limit_of_its_template(client, docker_cl
         assert await cgroup("pids/pids.max") == BASE.pids_limit
         cpus = await cgroup("cpu/cpu.cfs_quota_us") / await cgroup("cpu/cpu.cfs_period_us")
         assert cpus == pytest.approx(BASE.cpus)
-        ram_limit = (BASE.memory_mb + BASE.workdir_mb + TMP_MB) * MiB
+        ram_limit = (BASE.memory_mb + BASE.workdir_mb + BASE.tmp_mb) * MiB
         assert await cgroup("memory/memory.limit_in_bytes") == ram_limit
         socket = await sb.exec(["ls", "/var/run/docker.sock", "/run/docker.sock"])
         assert socket.stderr.count("No such file or directory") == 2, socket
@@ -132,7 +132,7 @@ async def test_filling_the_work_dir_stops_at_its_size(client, neighbour):
         assert fill.stdout.split() == ["1", "1"], fill
         assert fill.stderr.count("No space left on device") == 2, fill
         sizes = await sb.exec(["stat", "-c", "%s", "/work/fill", "/tmp/fill"])
-        assert [int(s) for s in sizes.stdout.split()] == [BASE.workdir_mb * MiB, TMP_MB * MiB]
+        assert [int(s) for s in sizes.stdout.split()] == [BASE.workdir_mb * MiB, BASE.tmp_mb * MiB]
         # full disks, but processes still have their memory: the sandbox keeps working
         again = await sb.exec(["sh", "-c", "rm /work/fill && echo ok > /work/f && cat /work/f"])
         assert again.stdout == "ok\n", again
