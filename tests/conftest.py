@@ -6,8 +6,14 @@ no container of such a pool is left behind.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import os
+import sys
+import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import docker
@@ -19,6 +25,7 @@ from dsec.client import Client
 from dsec.image import ensure_base_image
 from dsec.localpool import LocalPool, LocalPoolSpec
 from dsec.models import Capacity, PoolParams
+from dsec.processes import stop_process
 
 TEST_POOL_PREFIX = "test-"
 # pools this session started: the end-of-session check looks at these alone, so two
@@ -86,3 +93,66 @@ async def pool(docker_client, tmp_path_factory) -> AsyncIterator[LocalPool]:
 async def client(pool: LocalPool) -> AsyncIterator[Client]:
     async with Client(pool.url, token=pool.tokens.client) as c:
         yield c
+
+
+@dataclass
+class ExtraAgent:
+    """An agent process started beside a pool's own: it joins the pool, and may leave."""
+
+    node_id: str
+    proc: asyncio.subprocess.Process
+    drain: asyncio.Task | None = None
+
+    async def stop(self) -> None:
+        await stop_process(self.proc)
+        if self.drain is not None:
+            with contextlib.suppress(Exception):
+                await self.drain
+
+
+async def start_agent(
+    pool: LocalPool,
+    node_id: str,
+    *,
+    host: str,
+    slots: int,
+    kind: str = "local",
+    env: dict[str, str] | None = None,
+) -> ExtraAgent:
+    """`dsec agent` registering with the pool; `env` may point it at another engine."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "dsec.cli", "agent",
+        "--node-id", node_id, "--kind", kind,
+        "--host", host, "--port", "0",
+        "--controlplane", pool.url,
+        "--cpus", str(slots), "--memory-mb", str(slots * 1024), "--slots", str(slots),
+        "--state-dir", str(pool.dir),
+        "--heartbeat-s", str(pool.spec.heartbeat_s),
+        "--cleanup-on-exit",
+        stdout=asyncio.subprocess.PIPE,
+        env={**os.environ, **pool.tokens.env(), **(env or {})},
+        start_new_session=True,
+    )  # fmt: skip
+    agent = ExtraAgent(node_id, proc)
+    assert proc.stdout is not None
+    try:
+        await asyncio.wait_for(proc.stdout.readline(), 60)  # its "listening" line
+    except TimeoutError:
+        await agent.stop()
+        raise
+    agent.drain = asyncio.create_task(proc.stdout.read())
+    return agent
+
+
+async def eventually(check, what: str = "", timeout: float = 30.0, interval: float = 0.1):
+    """Poll a check (plain or async) until it returns something truthy, and return that."""
+    deadline = time.monotonic() + timeout
+    while True:
+        result = check()
+        if asyncio.iscoroutine(result):
+            result = await result
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout} s: {what or check.__name__}")
+        await asyncio.sleep(interval)

@@ -22,7 +22,7 @@ import aiohttp
 import docker
 import pytest
 import pytest_asyncio
-from conftest import make_spec, started_pool
+from conftest import eventually, make_spec, started_pool
 
 from agent.docker_driver import LABEL_NODE, LABEL_SANDBOX
 from dsec.client import Client, DsecError, Sandbox
@@ -49,17 +49,6 @@ async def client(pool: LocalPool) -> AsyncIterator[Client]:
     # no retries inside the SDK: the test retries itself, to see every refusal
     async with Client(pool.url, token=pool.tokens.client, acquire_retries=0) as c:
         yield c
-
-
-async def wait_for(predicate, timeout: float, what: str, interval: float = 0.05):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = await predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        await asyncio.sleep(interval)
 
 
 async def states(client: Client) -> dict[str, str]:
@@ -92,7 +81,7 @@ async def assert_every_container_accounted_for(client, docker_client, pool) -> N
         moving = {"creating", "destroying"}
         return set(counts) == set(known) and not moving & set(known.values())
 
-    await wait_for(settled, 20, "the containers and the control plane's view to agree")
+    await eventually(settled, "the containers and the control plane's view to agree", timeout=20)
     assert all(n == 1 for n in containers_by_sandbox(docker_client, pool).values())
 
 
@@ -124,7 +113,7 @@ async def test_a_killed_agent_is_reported_lost_then_adopts_its_sandboxes(
     victim.proc.send_signal(signal.SIGKILL)
     await victim.proc.wait()
     lost = partial(all_in_state, client, on_victim, "lost")
-    await wait_for(lost, LOST_WITHIN_S + 5, "the dead node's sandboxes to be lost")
+    await eventually(lost, "the dead node's sandboxes to be lost", timeout=LOST_WITHIN_S + 5)
     lost_after_s = time.monotonic() - killed_at
     assert lost_after_s <= LOST_WITHIN_S, f"reported lost after {lost_after_s:.1f} s"
     for sb in on_victim:
@@ -142,7 +131,7 @@ async def test_a_killed_agent_is_reported_lost_then_adopts_its_sandboxes(
     restarted = await pool.restart_agent(victim)
     assert restarted.url == victim.url
     leased_again = partial(all_in_state, client, on_victim, "leased")
-    await wait_for(leased_again, 10, "the restarted node to report its leases")
+    await eventually(leased_again, "the restarted node to report its leases", timeout=10)
     # same containers, same files, same tokens: adopted, not recreated
     await assert_same_sandboxes(leases)
     await assert_every_container_accounted_for(client, docker_client, pool)

@@ -4,31 +4,16 @@ expire, overflow to cloud nodes, and live parameter changes."""
 from __future__ import annotations
 
 import asyncio
-import time
 
 import pytest
 import pytest_asyncio
-from conftest import make_spec, started_pool
+from conftest import eventually, make_spec, started_pool
 
 from agent.docker_driver import LABEL_NODE, LABEL_POOL, LABEL_SANDBOX
 from dsec.client import Client
 from dsec.models import Capacity, PoolParams
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
-
-
-async def eventually(check, timeout: float = 20.0, interval: float = 0.1):
-    """Poll an async or plain check until it returns something truthy."""
-    deadline = time.monotonic() + timeout
-    while True:
-        result = check()
-        if asyncio.iscoroutine(result):
-            result = await result
-        if result:
-            return result
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout} s: {check.__name__}")
-        await asyncio.sleep(interval)
 
 
 def containers_of_pool(docker_client, pool, name: str) -> list:

@@ -13,12 +13,9 @@ import asyncio
 import contextlib
 import json
 import math
-import os
 import re
 import shutil
 import socket
-import sys
-import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,7 +24,7 @@ import aiohttp
 import docker
 import pytest
 import pytest_asyncio
-from conftest import make_spec, started_pool
+from conftest import ExtraAgent, eventually, make_spec, start_agent, started_pool
 from prometheus_client.parser import text_string_to_metric_families
 
 from agent.docker_driver import LABEL_NODE, LABEL_SANDBOX
@@ -35,7 +32,6 @@ from controlplane.metrics import UNKNOWN_POOL
 from dsec.client import Client, DsecError
 from dsec.localpool import LocalPool
 from dsec.models import SANDBOX_ID_RE, Capacity, PoolParams
-from dsec.processes import stop_process
 from dsec.states import SandboxState
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -123,55 +119,6 @@ class Prometheus:
         return (await self.api("targets", state="active"))["activeTargets"]
 
 
-async def wait_for(condition, what: str, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not await condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-        await asyncio.sleep(0.2)
-
-
-@dataclass
-class CloudAgent:
-    """An agent of kind `cloud` that joins the pool after it started, and may leave."""
-
-    node_id: str
-    proc: asyncio.subprocess.Process
-    drain: asyncio.Task | None = None
-
-    async def stop(self) -> None:
-        await stop_process(self.proc)
-        if self.drain is not None:
-            with contextlib.suppress(Exception):
-                await self.drain
-
-
-async def start_cloud_agent(pool: LocalPool) -> CloudAgent:
-    node_id = f"{pool.spec.name}-cloud"  # the pool's prefix: the leftover checks cover it
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "dsec.cli", "agent",
-        "--node-id", node_id, "--kind", "cloud",
-        "--host", CLOUD_HOST, "--port", "0",
-        "--controlplane", pool.url,
-        "--cpus", "8", "--memory-mb", "8192", "--slots", "8",
-        "--state-dir", str(pool.dir),
-        "--heartbeat-s", str(pool.spec.heartbeat_s),
-        "--cleanup-on-exit",
-        stdout=asyncio.subprocess.PIPE,
-        env={**os.environ, **pool.tokens.env()},
-        start_new_session=True,
-    )  # fmt: skip
-    agent = CloudAgent(node_id, proc)
-    assert proc.stdout is not None
-    try:
-        await asyncio.wait_for(proc.stdout.readline(), 60)  # its "listening" line
-    except TimeoutError:
-        await agent.stop()
-        raise
-    agent.drain = asyncio.create_task(proc.stdout.read())
-    return agent
-
-
 @dataclass
 class Load:
     """What the load did, for the tests to check against."""
@@ -252,8 +199,11 @@ async def pool(docker_client, tmp_path_factory) -> AsyncIterator[LocalPool]:
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def cloud_agent(pool: LocalPool) -> AsyncIterator[CloudAgent]:
-    agent = await start_cloud_agent(pool)
+async def cloud_agent(pool: LocalPool) -> AsyncIterator[ExtraAgent]:
+    # the pool's prefix: the leftover checks cover it
+    agent = await start_agent(
+        pool, f"{pool.spec.name}-cloud", kind="cloud", host=CLOUD_HOST, slots=8
+    )
     try:
         async with Client(pool.url, token=pool.tokens.admin) as operator:
 
@@ -261,7 +211,7 @@ async def cloud_agent(pool: LocalPool) -> AsyncIterator[CloudAgent]:
                 nodes = (await operator.nodes()).nodes
                 return any(n.node_id == agent.node_id and n.healthy for n in nodes)
 
-            await wait_for(registered, f"{agent.node_id} to register")
+            await eventually(registered, f"{agent.node_id} to register")
         yield agent
     finally:
         await agent.stop()
@@ -296,7 +246,7 @@ async def prometheus(pool: LocalPool, cloud_agent, tmp_path_factory) -> AsyncIte
                         return resp.status == 200
                 return False
 
-            await wait_for(ready, "prometheus to be ready")
+            await eventually(ready, "prometheus to be ready")
             yield Prometheus(url, http)
     finally:
         if proc.returncode is None:
@@ -320,12 +270,12 @@ async def load(pool: LocalPool, cloud_agent, prometheus: Prometheus, docker_clie
         up = await prometheus.query('up{job="dsec-agent"} == 1')
         return {s["metric"].get("node") for s in up} >= expected
 
-    await wait_for(every_agent_up, "Prometheus to scrape every agent it discovers")
+    await eventually(every_agent_up, "Prometheus to scrape every agent it discovers")
     done = Load()
     async with Client(pool.url, token=pool.tokens.client) as client:
         for round_ in range(2):
             await drive_round(client, docker_client, done, break_one=round_ == 0)
-            await wait_for(lambda: scraped(prometheus, done), "the load to be scraped")
+            await eventually(lambda: scraped(prometheus, done), "the load to be scraped")
         await acquire_that_times_out(pool, client)
 
     async def the_rest_scraped() -> bool:
@@ -333,7 +283,7 @@ async def load(pool: LocalPool, cloud_agent, prometheus: Prometheus, docker_clie
         busy = await prometheus.value("sum(dsec_sandbox_busy_seconds_total)")
         return bool(timed_out) and busy > 0  # busy seconds come with the heartbeats
 
-    await wait_for(the_rest_scraped, "the timed-out acquire and busy seconds to be scraped")
+    await eventually(the_rest_scraped, "the timed-out acquire and busy seconds to be scraped")
     return done
 
 
@@ -412,7 +362,7 @@ async def test_service_discovery_lists_every_agent(pool, cloud_agent, prometheus
         expected = {n: by_node[n]["kind"] for n in by_node}
         return agents == expected and len(controlplane) == 1
 
-    await wait_for(all_scraped, "one control plane and every agent to be scraped")
+    await eventually(all_scraped, "one control plane and every agent to be scraped")
 
 
 async def test_every_dashboard_query_returns_data(load, prometheus):
@@ -552,6 +502,6 @@ async def test_a_cloud_node_that_leaves_drops_out_of_discovery(
         targets = await prometheus.active_targets()
         return cloud_agent.node_id not in {t["labels"].get("node") for t in targets}
 
-    await wait_for(gone, "Prometheus to drop the node once discovery stops listing it")
+    await eventually(gone, "Prometheus to drop the node once discovery stops listing it")
     still = {t["labels"].get("node") for t in await prometheus.active_targets()}
     assert set(pool.node_ids) <= still

@@ -1,0 +1,300 @@
+"""A node's Docker engine fails: it restarts, or its disk fills up.
+
+One node of the pool runs on a private Docker engine this module starts (its own data
+root on a small tmpfs, its own socket), so the tests can restart that engine and fill
+its disk for real while the rest of the pool, on the shared engine, keeps serving.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import subprocess
+import tempfile
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+import docker
+import pytest
+import pytest_asyncio
+from conftest import ExtraAgent, eventually, make_spec, start_agent, started_pool
+from prometheus_client.parser import text_string_to_metric_families
+
+from agent.docker_driver import LABEL_NODE
+from dsec.client import Client, DsecError, Sandbox
+from dsec.image import ensure_base_image
+from dsec.localpool import LocalPool
+from dsec.models import Capacity, NodeInfo, PoolParams
+
+PRIVATE_HOST = "127.0.0.9"  # LocalPool gives its own agents 127.0.0.2 upwards
+DISK_MB = 200
+
+
+@dataclass
+class PrivateEngine:
+    """A dockerd of our own: restarted and filled up without disturbing anyone else's."""
+
+    root: Path
+
+    @property
+    def socket(self) -> str:
+        return f"unix://{self.root}/docker.sock"
+
+    @property
+    def data_root(self) -> Path:
+        return self.root / "data"
+
+    def client(self) -> docker.DockerClient:
+        return docker.DockerClient(base_url=self.socket, timeout=30)
+
+    def start(self) -> None:
+        log = open(self.root / "dockerd.log", "a")  # noqa: SIM115 (dockerd keeps it)
+        subprocess.Popen(
+            [
+                "dockerd", "--bridge=none", "--iptables=false",
+                "--data-root", str(self.data_root),
+                "--exec-root", str(self.root / "exec"),
+                "--pidfile", str(self.root / "docker.pid"),
+                "-H", self.socket,
+            ],
+            stdout=log, stderr=log, start_new_session=True,
+        )  # fmt: skip
+        for _ in range(300):
+            with contextlib.suppress(docker.errors.DockerException):
+                self.client().ping()
+                return
+            subprocess.run(["sleep", "0.1"], check=True)
+        raise AssertionError(f"private dockerd did not start: {self.root}/dockerd.log")
+
+    def stop(self) -> None:
+        """As `systemctl stop docker` does: SIGTERM, and dockerd stops its containers."""
+        pid_file = self.root / "docker.pid"
+        if not pid_file.exists():
+            return
+        pid = int(pid_file.read_text())
+        subprocess.run(["kill", str(pid)], check=False)
+        for _ in range(300):
+            if not Path(f"/proc/{pid}").exists():
+                return
+            subprocess.run(["sleep", "0.1"], check=True)
+        raise AssertionError("private dockerd did not stop")
+
+    def fill_disk(self) -> None:
+        with open(self.data_root / "filler", "wb") as f, contextlib.suppress(OSError):
+            f.write(b"\0" * (DISK_MB << 20))  # stops at ENOSPC
+
+    def free_disk(self) -> None:
+        (self.data_root / "filler").unlink(missing_ok=True)
+
+    def containers(self, node_id: str) -> list:
+        return self.client().containers.list(all=True, filters={"label": f"{LABEL_NODE}={node_id}"})
+
+
+@pytest.fixture(scope="module")
+def engine() -> Iterator[PrivateEngine]:
+    # short: a unix socket path must fit in 108 bytes
+    engine = PrivateEngine(Path(tempfile.mkdtemp(prefix="dsec-engine-", dir="/tmp")))
+    engine.data_root.mkdir()
+    subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={DISK_MB}m", "tmpfs", str(engine.data_root)],
+        check=True,
+    )
+    try:
+        engine.start()
+        ensure_base_image(engine.client())
+        yield engine
+    finally:
+        with contextlib.suppress(docker.errors.DockerException):
+            for c in engine.client().containers.list(all=True, filters={"label": LABEL_NODE}):
+                c.remove(force=True)
+        engine.stop()
+        subprocess.run(["umount", "-l", str(engine.data_root)], check=False)
+        shutil.rmtree(engine.root, ignore_errors=True)
+
+
+@pytest_asyncio.fixture(loop_scope="module")
+async def pool(docker_client, tmp_path) -> AsyncIterator[LocalPool]:
+    """One small node on the shared engine; the private-engine node joins per test."""
+    spec = make_spec(
+        tmp_path,
+        nodes=1,
+        capacity=Capacity(cpus=8, memory_mb=8192, slots=3),
+        pool=PoolParams(min_warm=2, max_warm=4),
+    )
+    async for p in started_pool(spec, docker_client):
+        yield p
+
+
+@pytest_asyncio.fixture(loop_scope="module")
+async def private_node(pool: LocalPool, engine: PrivateEngine) -> AsyncIterator[ExtraAgent]:
+    agent = await start_agent(
+        pool,
+        f"{pool.spec.name}-private-{uuid.uuid4().hex[:4]}",
+        host=PRIVATE_HOST,
+        slots=6,
+        env={"DOCKER_HOST": engine.socket},
+    )
+    try:
+        async with Client(pool.url, token=pool.tokens.admin) as operator:
+
+            async def registered() -> bool:
+                info = await node_info(operator, agent.node_id)
+                return info is not None and info.placeable
+
+            await eventually(registered, f"{agent.node_id} to register")
+        yield agent
+    finally:
+        await agent.stop()
+        assert not engine.containers(agent.node_id), "the agent left containers behind"
+
+
+async def node_info(operator: Client, node_id: str) -> NodeInfo | None:
+    return next((n for n in (await operator.nodes()).nodes if n.node_id == node_id), None)
+
+
+async def acquire_on(client: Client, node_id: str, held: list[Sandbox], limit: int = 8) -> Sandbox:
+    """Acquire until a sandbox lands on `node_id`; the others stay held (in `held`)."""
+    for _ in range(limit):
+        sandbox = await client.acquire(pool="default", template="base", timeout=30)
+        held.append(sandbox)
+        if sandbox.node == node_id:
+            return sandbox
+    raise AssertionError(f"no sandbox landed on {node_id} in {limit} acquires")
+
+
+async def metric_value(pool: LocalPool, name: str, labels: dict[str, str]) -> float:
+    async with aiohttp.ClientSession() as http, http.get(f"{pool.url}/metrics") as resp:
+        text = await resp.text()
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return sample.value
+    return 0.0
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_engine_restart_loses_its_sandboxes_clearly_and_the_node_recovers(
+    pool: LocalPool, private_node: ExtraAgent, engine: PrivateEngine
+):
+    shared_node = pool.node_ids[0]
+    node_id = private_node.node_id
+    async with (
+        Client(pool.url, token=pool.tokens.client) as client,
+        Client(pool.url, token=pool.tokens.admin) as operator,
+    ):
+        held: list[Sandbox] = []
+        victim = await acquire_on(client, node_id, held)
+        assert (await victim.exec(["sh", "-c", "echo before > f; cat f"])).stdout == "before\n"
+
+        engine.stop()  # dockerd stops every container it runs
+
+        async def engine_down() -> bool:
+            info = await node_info(operator, node_id)
+            return info is not None and not info.engine_ok and not info.placeable
+
+        await eventually(engine_down, "the node to report its engine down", timeout=15)
+        info = await node_info(operator, node_id)
+        assert info is not None and info.healthy, "it still heartbeats: its leases are not lost"
+        with pytest.raises(DsecError) as failed:
+            await victim.exec(["true"])
+        assert failed.value.status == 502 and failed.value.code == "docker_engine_unreachable"
+
+        # the other node keeps serving, and no new work goes to the node without an engine
+        for sandbox in held:
+            if sandbox is not victim:
+                await sandbox.release()
+        held = [victim]
+        async with client.sandbox(pool="default", template="base", timeout=30) as fresh:
+            assert fresh.node == shared_node
+            assert (await fresh.exec(["echo", "served"])).stdout == "served\n"
+
+        engine.start()
+
+        async def engine_back() -> bool:
+            info = await node_info(operator, node_id)
+            return info is not None and info.engine_ok and info.placeable
+
+        await eventually(engine_back, "the node to take work again", timeout=20)
+
+        async def victim_lost() -> bool:
+            return (await client.get(victim.id)).state == "lost"
+
+        await eventually(victim_lost, "the dead sandbox to be reported lost", timeout=15)
+        with pytest.raises(DsecError) as gone:
+            await victim.exec(["true"])
+        assert gone.value.status == 410 and gone.value.code == "sandbox_lost"
+        assert "Docker engine restarted" in gone.value.message
+        await victim.release()  # a lost lease is released without fuss
+        stopped = [c for c in engine.containers(node_id) if c.status != "running"]
+        assert not stopped, f"stopped containers left on the node: {stopped}"
+
+        # the node serves again: sandboxes land on it and run commands
+        held = []
+        try:
+            again = await acquire_on(client, node_id, held)
+            assert (await again.exec(["echo", "after"])).stdout == "after\n"
+        finally:
+            for sandbox in held:
+                await sandbox.release()
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_a_node_whose_disk_is_full_leaves_placement_until_it_recovers(
+    pool: LocalPool, engine: PrivateEngine, private_node: ExtraAgent
+):
+    shared_node = pool.node_ids[0]
+    node_id = private_node.node_id
+    async with (
+        Client(pool.url, token=pool.tokens.client) as client,
+        Client(pool.url, token=pool.tokens.admin) as operator,
+    ):
+        engine.fill_disk()
+        held: list[Sandbox] = []
+        try:
+            # two leases empty the warm pool, whose refills go to the emptiest node, the
+            # private one; each create fails in Docker (no space left) until it is taken out
+            for _ in range(2):
+                held.append(await client.acquire(pool="default", template="base", timeout=30))
+
+            async def taken_out() -> bool:
+                info = await node_info(operator, node_id)
+                return info is not None and not info.placeable and info.failures >= 3
+
+            await eventually(taken_out, "the failing node to leave placement", timeout=30)
+            info = await node_info(operator, node_id)
+            assert info is not None and info.healthy and info.engine_ok  # only its calls fail
+            taken = await metric_value(pool, "dsec_nodes_taken_out_total", {"node": node_id})
+            assert taken >= 1
+            errors = await metric_value(
+                pool, "dsec_agent_call_errors_total", {"node": node_id, "code": "docker_disk_full"}
+            )
+            assert errors >= 3
+            # the pool keeps serving from the healthy node, and nothing leaked on the full one
+            held.append(await client.acquire(pool="default", template="base", timeout=30))
+            assert {s.node for s in held} == {shared_node}
+            assert [(await s.exec(["echo", "ok"])).stdout for s in held] == ["ok\n"] * 3
+            assert not engine.containers(node_id)
+        finally:
+            engine.free_disk()
+            for sandbox in held:
+                await sandbox.release()
+
+        # once its backoff ends, the node takes placements again; the first create that
+        # succeeds there clears its record of failures
+        async def placeable() -> bool:
+            info = await node_info(operator, node_id)
+            return info is not None and info.placeable
+
+        await eventually(placeable, "the node's backoff to end", timeout=70)
+        held = []
+        try:
+            back = await acquire_on(client, node_id, held)
+            assert (await back.exec(["echo", "back"])).stdout == "back\n"
+            info = await node_info(operator, node_id)
+            assert info is not None and info.failures == 0
+        finally:
+            for sandbox in held:
+                await sandbox.release()
