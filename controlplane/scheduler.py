@@ -57,6 +57,10 @@ from dsec.tokens import LEASE_TOKEN_HEADER, lease_token, new_lease_id
 
 log = logging.getLogger(__name__)
 
+# An agent's refusals that are about the template, not the node (an image it lacks, a
+# setting Docker rejects): the node stays open to other templates.
+TEMPLATE_REFUSALS = frozenset({"docker_image_not_found", "docker_invalid", "docker_start_failed"})
+
 
 class Scheduler:
     def __init__(
@@ -263,9 +267,12 @@ class Scheduler:
             entry.failures = 0
         else:
             self._call_failed(entry, "create", result)
+            about_template = result.code in TEMPLATE_REFUSALS
             if entry.reserved_for and (req := self.requests.get(entry.reserved_for)):
                 req.refused_by.add(entry.node)  # the agent's refusal is final for that node
-            if result.refused:
+                if about_template and self._refused_everywhere(req):
+                    self._reject(req, result)
+            if result.refused and not about_template:
                 self.view.refuse(entry.node, now + self.config.refusal_cooldown_s)
             if entry.reserved_for:
                 self.reservations.pop(entry.reserved_for, None)
@@ -273,6 +280,29 @@ class Scheduler:
             # no tombstone: if Docker did create it after all, the next heartbeat says so
             self.view.forget(entry.id, tombstone=False)
         self.wake()
+
+    def _refused_everywhere(self, req: PendingRequest) -> bool:
+        template = self.config.templates[req.template]
+        candidates = {
+            n.id
+            for n in self.view.nodes.values()
+            if n.placeable(self.clock.now()) and (n.kind == "local" or template.may_overflow)
+        }
+        return candidates <= req.refused_by
+
+    def _reject(self, req: PendingRequest, refusal: CallResult) -> None:
+        """Every node refused the request's template: say why now, not at its timeout."""
+        template = self.config.templates[req.template]
+        if not req.done.done():  # its client is waiting: the API answers 422 (and counts it)
+            req.done.set_exception(
+                ApiError(
+                    422,
+                    "template_unavailable",
+                    f"no node can run template {req.template!r} (image {template.image}): "
+                    f"{refusal.code}: {refusal.message}",
+                )
+            )
+        self._forget_request(req)
 
     def _claim(self, action: Claim, now: float) -> None:
         req = self.requests.get(action.request_id)
@@ -577,18 +607,21 @@ class Scheduler:
                 503, "acquire_timeout", f"no sandbox was ready within {timeout_s} s; retry later"
             ) from None
         except asyncio.CancelledError:
-            if req.done.done() and not req.done.cancelled():
+            if not req.done.done() or req.done.cancelled():
+                self._abandon(req, "cancelled")
+            elif req.done.exception() is None:
                 # the client left after its lease was made: give the sandbox back
                 entry = self.view.sandboxes.get(req.done.result().id)
                 if entry is not None:
                     self._destroy(entry, self.clock.now(), action="destroy")
-            else:
-                self._abandon(req, "cancelled")
             raise
 
     def _abandon(self, req: PendingRequest, outcome: str) -> None:
         self.metrics.acquires.labels(req.pool, outcome).inc()
         req.done.cancel()  # a lease still in flight sees this and gives its sandbox back
+        self._forget_request(req)
+
+    def _forget_request(self, req: PendingRequest) -> None:
         self.queues.remove(req)
         self.requests.pop(req.id, None)
         if req.idempotency_key and self.by_key.get(req.idempotency_key) is req:

@@ -21,9 +21,9 @@ import docker
 
 from agent.docker_driver import LABEL_NODE
 from controlplane.cloud import CloudConfig
-from controlplane.config import ControlPlaneConfig
+from controlplane.config import ControlPlaneConfig, default_templates
 from dsec.image import ensure_base_image
-from dsec.models import Capacity, PoolParams
+from dsec.models import Capacity, PoolParams, TemplateSpec
 from dsec.processes import stop_process
 from dsec.tokens import new_token
 
@@ -48,6 +48,7 @@ class LocalPoolSpec:
     cloud_boot_delay_s: float = 2.0
     cloud_idle_release_s: float = 60.0
     policy: str = "dsec"  # or a baseline: cold, static, hpa, keda, kpa
+    templates: dict[str, TemplateSpec] = field(default_factory=default_templates)
 
 
 @dataclass
@@ -110,6 +111,7 @@ class LocalPool:
             admin_tokens=[self.tokens.admin],
             agent_token=self.tokens.agent,
             pools={"default": self.spec.pool},
+            templates=self.spec.templates,
             tick_s=self.spec.tick_s,
             policy=self.spec.policy,
             cloud=None

@@ -24,10 +24,11 @@ from conftest import ExtraAgent, eventually, make_spec, start_agent, started_poo
 from prometheus_client.parser import text_string_to_metric_families
 
 from agent.docker_driver import LABEL_NODE
+from controlplane.config import default_templates
 from dsec.client import Client, DsecError, Sandbox
 from dsec.image import ensure_base_image
 from dsec.localpool import LocalPool
-from dsec.models import Capacity, NodeInfo, PoolParams
+from dsec.models import Capacity, NodeInfo, PoolParams, TemplateSpec
 
 PRIVATE_HOST = "127.0.0.9"  # LocalPool gives its own agents 127.0.0.2 upwards
 DISK_MB = 200
@@ -298,3 +299,25 @@ async def test_a_node_whose_disk_is_full_leaves_placement_until_it_recovers(
         finally:
             for sandbox in held:
                 await sandbox.release()
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_a_template_whose_image_no_node_has_is_refused_at_once(docker_client, tmp_path):
+    ghost = TemplateSpec(name="ghost", image="dsec-no-such-image:latest")
+    spec = make_spec(tmp_path, nodes=2, templates={**default_templates(), "ghost": ghost})
+    async for pool in started_pool(spec, docker_client):
+        async with Client(pool.url, token=pool.tokens.client) as client:
+            with pytest.raises(DsecError) as refused:
+                # every node refuses the create: the answer says so long before the timeout
+                await client.acquire(pool="default", template="ghost", timeout=120)
+            assert refused.value.status == 422
+            assert refused.value.code == "template_unavailable"
+            assert "dsec-no-such-image:latest" in refused.value.message
+            assert "docker_image_not_found" in refused.value.message
+            rejected = await metric_value(
+                pool, "dsec_acquire_requests_total", {"pool": "default", "outcome": "rejected"}
+            )
+            assert rejected == 1
+            # the nodes keep serving the templates they can run
+            async with client.sandbox(pool="default", template="base", timeout=30) as sb:
+                assert (await sb.exec(["echo", "fine"])).stdout == "fine\n"
