@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -47,6 +48,9 @@ class ControlPlaneConfig(BaseModel):
     )
     peak_window_s: float = Field(600.0, gt=0, le=86_400, description="'recent' in recent peak")
     cloud: CloudConfig | None = None
+    state_dir: Path | None = Field(
+        None, description="where released idempotency keys are kept across restarts"
+    )
     policy: Literal["dsec", "cold", "static", "hpa", "keda", "kpa"] = Field(
         "dsec", description="dsec, or a baseline to compare it with"
     )

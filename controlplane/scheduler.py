@@ -15,7 +15,6 @@ import contextlib
 import logging
 import math
 import secrets
-from collections import OrderedDict
 from collections.abc import Awaitable
 
 from controlplane.cloud import CloudProvider
@@ -23,6 +22,7 @@ from controlplane.config import ControlPlaneConfig
 from controlplane.gateway import AgentGateway, CallResult
 from controlplane.metrics import ControlPlaneMetrics
 from controlplane.queue import PendingRequest, RequestQueues
+from controlplane.spent import SpentKeys
 from controlplane.view import TOMBSTONES, ClusterView, SandboxEntry
 from dsec.baselines import Policy, make_policy
 from dsec.clock import Clock
@@ -87,7 +87,9 @@ class Scheduler:
         # idempotency key -> the waiting request, or the id of the sandbox it got
         self.by_key: dict[str, PendingRequest | str] = {}
         # keys whose sandbox was released: reusing one is refused, not a fresh sandbox
-        self.spent_keys: OrderedDict[str, str] = OrderedDict()
+        self.spent_keys = SpentKeys(
+            config.state_dir / "spent-keys.jsonl" if config.state_dir else None, TOMBSTONES
+        )
         self.wakeup = asyncio.Event()
         self.tasks: set[asyncio.Task] = set()
         self.ops: dict[str, asyncio.Task] = {}  # the side effect in flight, per sandbox
@@ -549,7 +551,8 @@ class Scheduler:
             raise ApiError(
                 409,
                 "idempotency_key_spent",
-                f"idempotency key {key!r} belonged to sandbox {self.spent_keys[key]}, now released",
+                f"idempotency key {key!r} belonged to sandbox {self.spent_keys.sandbox_of(key)}, "
+                "now released",
             )
         if key is not None and key in self.by_key:
             return await self._acquire_again(key, body.timeout_s)
@@ -664,9 +667,7 @@ class Scheduler:
         self.metrics.episodes.labels(entry.pool).inc()
         if entry.idempotency_key:
             self.by_key.pop(entry.idempotency_key, None)
-            self.spent_keys[entry.idempotency_key] = entry.id
-            while len(self.spent_keys) > TOMBSTONES:
-                self.spent_keys.popitem(last=False)
+            await self.spent_keys.add(entry.idempotency_key, entry.id)
         if (in_flight := self.ops.get(sandbox_id)) is not None:
             await asyncio.shield(in_flight)  # a pause or thaw under way finishes first
         task = self._destroy(entry, self.clock.now(), action="release")

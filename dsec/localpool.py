@@ -112,6 +112,7 @@ class LocalPool:
             agent_token=self.tokens.agent,
             pools={"default": self.spec.pool},
             templates=self.spec.templates,
+            state_dir=self.dir,
             tick_s=self.spec.tick_s,
             policy=self.spec.policy,
             cloud=None

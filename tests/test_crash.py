@@ -177,6 +177,8 @@ async def acquire_until_answered(client: Client, key: str) -> Sandbox:
 
 
 async def test_a_control_plane_killed_mid_burst_loses_no_lease(pool, client, docker_client):
+    released = await client.acquire(idempotency_key="released-before-the-crash")
+    await released.release()
     held = [await client.acquire(idempotency_key=f"held-{i}") for i in range(3)]
     await write_ids(held)
     keys = [f"burst-{i}" for i in range(24)]
@@ -193,6 +195,11 @@ async def test_a_control_plane_killed_mid_burst_loses_no_lease(pool, client, doc
     assert all(isinstance(e, aiohttp.ClientConnectionError) for e in unanswered), unanswered
 
     await respawn_controlplane(pool)
+    # a key spent before the crash stays spent: its retry gets no second sandbox
+    with pytest.raises(DsecError) as spent_before:
+        await client.acquire(idempotency_key="released-before-the-crash")
+    assert spent_before.value.code == "idempotency_key_spent"
+    assert released.id in spent_before.value.message
     # every client retries its key: the answered ones get their sandbox again, and those
     # that never heard back get exactly one
     retried = await asyncio.gather(*(acquire_until_answered(client, k) for k in keys))
