@@ -152,6 +152,18 @@ async def private_node(pool: LocalPool, engine: PrivateEngine) -> AsyncIterator[
         assert not engine.containers(agent.node_id), "the agent left containers behind"
 
 
+@pytest_asyncio.fixture(loop_scope="module")
+async def client(pool: LocalPool) -> AsyncIterator[Client]:
+    async with Client(pool.url, token=pool.tokens.client) as c:
+        yield c
+
+
+@pytest_asyncio.fixture(loop_scope="module")
+async def operator(pool: LocalPool) -> AsyncIterator[Client]:
+    async with Client(pool.url, token=pool.tokens.admin) as c:
+        yield c
+
+
 async def node_info(operator: Client, node_id: str) -> NodeInfo | None:
     return next((n for n in (await operator.nodes()).nodes if n.node_id == node_id), None)
 
@@ -178,127 +190,127 @@ async def metric_value(pool: LocalPool, name: str, labels: dict[str, str]) -> fl
 
 @pytest.mark.asyncio(loop_scope="module")
 async def test_engine_restart_loses_its_sandboxes_clearly_and_the_node_recovers(
-    pool: LocalPool, private_node: ExtraAgent, engine: PrivateEngine
+    pool: LocalPool,
+    private_node: ExtraAgent,
+    engine: PrivateEngine,
+    client: Client,
+    operator: Client,
 ):
     shared_node = pool.node_ids[0]
     node_id = private_node.node_id
-    async with (
-        Client(pool.url, token=pool.tokens.client) as client,
-        Client(pool.url, token=pool.tokens.admin) as operator,
-    ):
-        held: list[Sandbox] = []
-        victim = await acquire_on(client, node_id, held)
-        assert (await victim.exec(["sh", "-c", "echo before > f; cat f"])).stdout == "before\n"
+    held: list[Sandbox] = []
+    victim = await acquire_on(client, node_id, held)
+    assert (await victim.exec(["sh", "-c", "echo before > f; cat f"])).stdout == "before\n"
 
-        engine.stop()  # dockerd stops every container it runs
+    engine.stop()  # dockerd stops every container it runs
 
-        async def engine_down() -> bool:
-            info = await node_info(operator, node_id)
-            return info is not None and not info.engine_ok and not info.placeable
-
-        await eventually(engine_down, "the node to report its engine down", timeout=15)
+    async def engine_down() -> bool:
         info = await node_info(operator, node_id)
-        assert info is not None and info.healthy, "it still heartbeats: its leases are not lost"
-        with pytest.raises(DsecError) as failed:
-            await victim.exec(["true"])
-        assert failed.value.status == 502 and failed.value.code == "docker_engine_unreachable"
+        return info is not None and not info.engine_ok and not info.placeable
 
-        # the other node keeps serving, and no new work goes to the node without an engine
+    await eventually(engine_down, "the node to report its engine down", timeout=15)
+    info = await node_info(operator, node_id)
+    assert info is not None and info.healthy, "it still heartbeats: its leases are not lost"
+    with pytest.raises(DsecError) as failed:
+        await victim.exec(["true"])
+    assert failed.value.status == 502 and failed.value.code == "docker_engine_unreachable"
+
+    # the other node keeps serving, and no new work goes to the node without an engine
+    for sandbox in held:
+        if sandbox is not victim:
+            await sandbox.release()
+    held = [victim]
+    async with client.sandbox(pool="default", template="base", timeout=30) as fresh:
+        assert fresh.node == shared_node
+        assert (await fresh.exec(["echo", "served"])).stdout == "served\n"
+
+    engine.start()
+
+    async def engine_back() -> bool:
+        info = await node_info(operator, node_id)
+        return info is not None and info.engine_ok and info.placeable
+
+    await eventually(engine_back, "the node to take work again", timeout=20)
+
+    async def victim_lost() -> bool:
+        return (await client.get(victim.id)).state == "lost"
+
+    await eventually(victim_lost, "the dead sandbox to be reported lost", timeout=15)
+    with pytest.raises(DsecError) as gone:
+        await victim.exec(["true"])
+    assert gone.value.status == 410 and gone.value.code == "sandbox_lost"
+    assert "Docker engine restarted" in gone.value.message
+    await victim.release()  # a lost lease is released without fuss
+    stopped = [c for c in engine.containers(node_id) if c.status != "running"]
+    assert not stopped, f"stopped containers left on the node: {stopped}"
+
+    # the node serves again: sandboxes land on it and run commands
+    held = []
+    try:
+        again = await acquire_on(client, node_id, held)
+        assert (await again.exec(["echo", "after"])).stdout == "after\n"
+    finally:
         for sandbox in held:
-            if sandbox is not victim:
-                await sandbox.release()
-        held = [victim]
-        async with client.sandbox(pool="default", template="base", timeout=30) as fresh:
-            assert fresh.node == shared_node
-            assert (await fresh.exec(["echo", "served"])).stdout == "served\n"
-
-        engine.start()
-
-        async def engine_back() -> bool:
-            info = await node_info(operator, node_id)
-            return info is not None and info.engine_ok and info.placeable
-
-        await eventually(engine_back, "the node to take work again", timeout=20)
-
-        async def victim_lost() -> bool:
-            return (await client.get(victim.id)).state == "lost"
-
-        await eventually(victim_lost, "the dead sandbox to be reported lost", timeout=15)
-        with pytest.raises(DsecError) as gone:
-            await victim.exec(["true"])
-        assert gone.value.status == 410 and gone.value.code == "sandbox_lost"
-        assert "Docker engine restarted" in gone.value.message
-        await victim.release()  # a lost lease is released without fuss
-        stopped = [c for c in engine.containers(node_id) if c.status != "running"]
-        assert not stopped, f"stopped containers left on the node: {stopped}"
-
-        # the node serves again: sandboxes land on it and run commands
-        held = []
-        try:
-            again = await acquire_on(client, node_id, held)
-            assert (await again.exec(["echo", "after"])).stdout == "after\n"
-        finally:
-            for sandbox in held:
-                await sandbox.release()
+            await sandbox.release()
 
 
 @pytest.mark.asyncio(loop_scope="module")
 async def test_a_node_whose_disk_is_full_leaves_placement_until_it_recovers(
-    pool: LocalPool, engine: PrivateEngine, private_node: ExtraAgent
+    pool: LocalPool,
+    private_node: ExtraAgent,
+    engine: PrivateEngine,
+    client: Client,
+    operator: Client,
 ):
     shared_node = pool.node_ids[0]
     node_id = private_node.node_id
-    async with (
-        Client(pool.url, token=pool.tokens.client) as client,
-        Client(pool.url, token=pool.tokens.admin) as operator,
-    ):
-        engine.fill_disk()
-        held: list[Sandbox] = []
-        try:
-            # two leases empty the warm pool, whose refills go to the emptiest node, the
-            # private one; each create fails in Docker (no space left) until it is taken out
-            for _ in range(2):
-                held.append(await client.acquire(pool="default", template="base", timeout=30))
-
-            async def taken_out() -> bool:
-                info = await node_info(operator, node_id)
-                return info is not None and not info.placeable and info.failures >= 3
-
-            await eventually(taken_out, "the failing node to leave placement", timeout=30)
-            info = await node_info(operator, node_id)
-            assert info is not None and info.healthy and info.engine_ok  # only its calls fail
-            taken = await metric_value(pool, "dsec_nodes_taken_out_total", {"node": node_id})
-            assert taken >= 1
-            errors = await metric_value(
-                pool, "dsec_agent_call_errors_total", {"node": node_id, "code": "docker_disk_full"}
-            )
-            assert errors >= 3
-            # the pool keeps serving from the healthy node, and nothing leaked on the full one
+    engine.fill_disk()
+    held: list[Sandbox] = []
+    try:
+        # two leases empty the warm pool, whose refills go to the emptiest node, the
+        # private one; each create fails in Docker (no space left) until it is taken out
+        for _ in range(2):
             held.append(await client.acquire(pool="default", template="base", timeout=30))
-            assert {s.node for s in held} == {shared_node}
-            assert [(await s.exec(["echo", "ok"])).stdout for s in held] == ["ok\n"] * 3
-            assert not engine.containers(node_id)
-        finally:
-            engine.free_disk()
-            for sandbox in held:
-                await sandbox.release()
 
-        # once its backoff ends, the node takes placements again; the first create that
-        # succeeds there clears its record of failures
-        async def placeable() -> bool:
+        async def taken_out() -> bool:
             info = await node_info(operator, node_id)
-            return info is not None and info.placeable
+            return info is not None and not info.placeable and info.failures >= 3
 
-        await eventually(placeable, "the node's backoff to end", timeout=70)
-        held = []
-        try:
-            back = await acquire_on(client, node_id, held)
-            assert (await back.exec(["echo", "back"])).stdout == "back\n"
-            info = await node_info(operator, node_id)
-            assert info is not None and info.failures == 0
-        finally:
-            for sandbox in held:
-                await sandbox.release()
+        await eventually(taken_out, "the failing node to leave placement", timeout=30)
+        info = await node_info(operator, node_id)
+        assert info is not None and info.healthy and info.engine_ok  # only its calls fail
+        taken = await metric_value(pool, "dsec_nodes_taken_out_total", {"node": node_id})
+        assert taken >= 1
+        errors = await metric_value(
+            pool, "dsec_agent_call_errors_total", {"node": node_id, "code": "docker_disk_full"}
+        )
+        assert errors >= 3
+        # the pool keeps serving from the healthy node, and nothing leaked on the full one
+        held.append(await client.acquire(pool="default", template="base", timeout=30))
+        assert {s.node for s in held} == {shared_node}
+        assert [(await s.exec(["echo", "ok"])).stdout for s in held] == ["ok\n"] * 3
+        assert not engine.containers(node_id)
+    finally:
+        engine.free_disk()
+        for sandbox in held:
+            await sandbox.release()
+
+    # once its backoff ends, the node takes placements again; the first create that
+    # succeeds there clears its record of failures
+    async def placeable() -> bool:
+        info = await node_info(operator, node_id)
+        return info is not None and info.placeable
+
+    await eventually(placeable, "the node's backoff to end", timeout=70)
+    held = []
+    try:
+        back = await acquire_on(client, node_id, held)
+        assert (await back.exec(["echo", "back"])).stdout == "back\n"
+        info = await node_info(operator, node_id)
+        assert info is not None and info.failures == 0
+    finally:
+        for sandbox in held:
+            await sandbox.release()
 
 
 @pytest.mark.asyncio(loop_scope="module")
