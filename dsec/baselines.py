@@ -13,6 +13,7 @@ snapshots and the `now` they are given: still no I/O and no clock.
 
 from __future__ import annotations
 
+import heapq
 import math
 from abc import ABC, abstractmethod
 from collections import deque
@@ -26,12 +27,18 @@ from dsec.policy import (
     Create,
     Destroy,
     Placement,
+    RequestSnap,
     Snapshot,
     decide,
 )
 from dsec.states import SandboxState as S
 
 Key = tuple[str, str]  # (pool, template)
+
+
+def in_line(r: RequestSnap) -> tuple:
+    """Queue order: higher priority first, then arrival."""
+    return (-r.priority, r.arrived_at, r.id)
 
 
 class Policy(Protocol):
@@ -62,7 +69,7 @@ class ColdPolicy:
             for sb in snapshot.sandboxes
             if sb.reserved_for and sb.state in (S.WARM, S.CREATING)
         }
-        for req in sorted(snapshot.requests, key=lambda r: (-r.priority, r.arrived_at, r.id)):
+        for req in sorted(snapshot.requests, key=in_line):
             sb = mine.get(req.id)
             if sb is not None:
                 if sb.state == S.WARM:
@@ -101,14 +108,20 @@ class ReplicaPolicy(ABC):
                 idle.setdefault(key, []).append(sb)
             elif sb.state == S.CREATING:
                 creating[key] = creating.get(key, 0) + 1
+        waiting: dict[Key, list[RequestSnap]] = {}
+        for req in snapshot.requests:
+            waiting.setdefault((req.pool, req.template), []).append(req)
         pending: dict[Key, int] = {}
-        for req in sorted(snapshot.requests, key=lambda r: (-r.priority, r.arrived_at, r.id)):
-            key = (req.pool, req.template)
-            if idle.get(key):
-                sb = idle[key].pop(0)
+        claimed: dict[Key, int] = {}  # busy from this decision on, not yet in snapshot.leased
+        for key, requests in waiting.items():
+            free = idle.get(key, [])
+            # the first in line take the idle replicas; a long queue is not sorted whole
+            first = heapq.nsmallest(len(free), requests, key=in_line) if free else []
+            for req, sb in zip(first, free, strict=False):
                 actions.append(Claim(req.id, sb.id, "warm", f"{self.name}: an idle replica"))
-            else:
-                pending[key] = pending.get(key, 0) + 1
+            idle[key] = free[len(first) :]
+            claimed[key] = len(first)
+            pending[key] = len(requests) - len(first)
         placement = Placement(snapshot.nodes, snapshot.seed)
         keys = {*pending, *idle, *creating, *snapshot.leased}
         keys |= {(p, t) for p, params in pools.items() for t in params.templates}
@@ -117,7 +130,7 @@ class ReplicaPolicy(ABC):
             if params is None or template is None:
                 continue
             observed = {
-                "leased": snapshot.leased.get(key, 0),
+                "leased": snapshot.leased.get(key, 0) + claimed.get(key, 0),
                 "idle": len(idle.get(key, [])),
                 "creating": creating.get(key, 0),
                 "pending": pending.get(key, 0),

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from dsec.baselines import make_policy
 from dsec.models import PoolParams
 from dsec.policy import (
     Claim,
@@ -365,3 +366,86 @@ def test_decide_is_pure():
         n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module
     }  # fmt: skip
     assert not imported & {"time", "asyncio", "aiohttp", "docker", "prometheus_client", "os"}
+
+
+# --- the baselines ------------------------------------------------------------------
+
+
+def replicas(policy, t, warm=0, leased=0, requests=0, creating=0, tag="") -> list:
+    """One decision of a replica-counting baseline: `warm` idle replicas, `creating`
+    under way, `leased` busy ones, `requests` waiting."""
+    sandboxes = [sandbox(f"w{tag}{i}", S.WARM, since=t - 1) for i in range(warm)]
+    sandboxes += [sandbox(f"c{tag}{i}", S.CREATING, since=t) for i in range(creating)]
+    waiting = [request(f"r{tag}{i}", arrived_at=t - 0.1) for i in range(requests)]
+    busy = {("p", "t"): leased} if leased else {}
+    return policy.decide(snap(sandboxes=sandboxes, requests=waiting, leased=busy),
+                         {"p": policy.params}, t)  # fmt: skip
+
+
+def baseline(name: str, **kw):
+    policy = make_policy(name)
+    policy.params = params(**kw)
+    return policy
+
+
+def test_cold_creates_per_request_and_keeps_nothing():
+    policy = make_policy("cold")
+    pools = {"p": params(min_warm=5)}  # a pool size means nothing without a pool
+    mine = sandbox("mine", S.WARM, reserved_for="r1")
+    left = sandbox("left", S.WARM, reserved_for="gone")
+    actions = policy.decide(snap(sandboxes=[mine, left], requests=[request("r1"), request("r2")]),
+                            pools, NOW)  # fmt: skip
+    assert [(a.request_id, a.sandbox_id, a.path) for a in of(actions, Claim)] == [
+        ("r1", "mine", "cold")
+    ]
+    assert [a.for_request for a in of(actions, Create)] == ["r2"]
+    assert [a.sandbox_id for a in of(actions, Destroy)] == ["left"]
+
+
+def test_static_holds_its_size_and_a_claimed_replica_still_counts():
+    policy = baseline("static", min_warm=3, max_warm=3)
+    assert len(of(replicas(policy, NOW), Create)) == 3
+    actions = replicas(policy, NOW, warm=3, requests=1)
+    # the replica claimed in this decision is busy, not gone: nothing to replace
+    assert len(of(actions, Claim)) == 1 and not of(actions, Create) and not of(actions, Destroy)
+    assert len(of(replicas(policy, NOW, warm=2), Create)) == 1  # one released: replaced
+
+
+def test_hpa_syncs_every_15_s_doubles_at_most_and_scales_down_after_the_window():
+    policy = baseline("hpa", min_warm=1)
+    # 1 replica, 3 busy (1 claimed + 2 waiting): 3 / 1 / 0.7 asks for 5, within max(2x, +4)
+    actions = replicas(policy, NOW, warm=1, requests=3)
+    assert len(of(actions, Claim)) == 1 and len(of(actions, Create)) == 4
+    assert not of(replicas(policy, NOW + 10, leased=5, requests=20), Create)  # between syncs
+    grown = replicas(policy, NOW + 15, leased=5, requests=20)  # 25 / 5 / 0.7 -> 36, cut to 10
+    assert len(of(grown, Create)) == 5
+    # idle again: the 300 s window keeps the highest recommendation
+    assert not of(replicas(policy, NOW + 30, warm=10), Destroy)
+    assert len(of(replicas(policy, NOW + 331, warm=10), Destroy)) == 9  # down to minReplicas
+
+
+def test_keda_starts_jobs_for_pending_work_on_each_poll_only():
+    policy = baseline("keda", max_warm=4)
+    actions = replicas(policy, NOW, requests=6)
+    assert len(of(actions, Create)) == 4  # min(max, pending) - running
+    assert not of(replicas(policy, NOW + 10, leased=4, requests=5, tag="b"), Create)
+    # the next poll: jobs still starting count as running
+    assert len(of(replicas(policy, NOW + 30, leased=4, creating=1, requests=5), Create)) == 3
+    assert not of(replicas(policy, NOW + 31, leased=2), Create)  # no work, no jobs
+
+
+def test_kpa_panics_on_a_burst_and_does_not_scale_down_in_panic():
+    policy = baseline("kpa", min_warm=1)
+    for t in range(0, 60, 5):  # a quiet minute: one replica (min-scale)
+        replicas(policy, NOW + t, warm=1)
+    # a burst: the 6 s window averages (0 + 5) / 2 = 2.5 -> 4 replicas, 4x the current one;
+    # the 60 s window alone would ask for 1
+    burst = replicas(policy, NOW + 60, warm=1, requests=5)
+    assert len(of(burst, Claim)) == 1 and len(of(burst, Create)) == 3
+    assert not of(replicas(policy, NOW + 70, warm=4), Destroy)  # quiet, but in panic
+    assert len(of(replicas(policy, NOW + 125, warm=4), Destroy)) == 3  # panic over: stable
+
+
+def test_an_unknown_policy_is_refused():
+    with pytest.raises(ValueError, match="unknown policy"):
+        make_policy("nope")

@@ -1,4 +1,5 @@
-"""Parameter sweeps in the simulator: the grid, the Pareto front, the CLI."""
+"""Parameter sweeps in the simulator (the grid, the Pareto front, the CLI), and the
+comparison of dsec with every baseline on one trace."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import json
 
 import pytest
 
+from bench import policies
 from bench.generate import generate
 from bench.sweep import pareto_front, parse_param
 from dsec.cli import main
@@ -28,10 +30,15 @@ def test_bad_params_are_refused(text):
         parse_param(text)
 
 
-def test_a_sweep_runs_every_combination_and_plots(tmp_path, capsys):
-    trace = tmp_path / "t.jsonl"
+@pytest.fixture
+def trace(tmp_path):
+    path = tmp_path / "t.jsonl"
     dump_trace(generate(kind="poisson", n=40, rate_per_s=0.5, seed=1, lifetime_p50_s=20,
-                        lifetime_p99_s=80, mean_step_s=5), trace)  # fmt: skip
+                        lifetime_p99_s=80, mean_step_s=5), path)  # fmt: skip
+    return path
+
+
+def test_a_sweep_runs_every_combination_and_plots(tmp_path, trace, capsys):
     out = tmp_path / "sweep"
     code = main([
         "bench", "sweep", "--trace", str(trace), "--param", "min_warm=0,4",
@@ -46,3 +53,37 @@ def test_a_sweep_runs_every_combination_and_plots(tmp_path, capsys):
     assert (out / "pareto.png").read_bytes().startswith(b"\x89PNG")
     bad = main(["bench", "sweep", "--trace", str(trace), "--param", "min_warm=-1"])
     assert bad == 2 and "min_warm" in capsys.readouterr().err
+
+
+def test_each_baseline_runs_at_its_best_reasonable_configuration():
+    assert policies.policy_params("static", peak=37, capacity=192).min_warm == 37
+    assert policies.policy_params("static", peak=37, capacity=192).max_warm == 37
+    for bounded in ("hpa", "keda", "kpa"):
+        assert policies.policy_params(bounded, peak=37, capacity=192).max_warm == 192
+
+
+def test_the_comparison_runs_every_policy_and_names_what_dsec_matches(tmp_path, trace, capsys):
+    out = tmp_path / "policies"
+    code = policies.main(["--trace", str(trace), "--nodes", "2", "--out", str(out), "--json",
+                          "--dsec", "none:min_warm=0,warm_fraction=0"])  # fmt: skip
+    assert code == 0
+    result = json.loads(capsys.readouterr().out)
+    runs = {r["run"]: r for r in result["reports"]}
+    assert set(runs) == {"cold", "dsec", "hpa", "keda", "kpa", "static", "dsec-none"}
+    assert runs["dsec-none"]["policy"] == "dsec"
+    assert set(result["wall_s"]) == set(runs)
+    for v in result["verdicts"]:
+        b = runs[v["baseline"]]
+        for d in (r for r in runs.values() if r["policy"] == "dsec"):
+            at_most = d["p99_ms"] <= b["p99_ms"] and d["sandbox_seconds"] <= b["sandbox_seconds"]
+            assert (d["run"] in v["matched_by"]) == at_most
+    assert {v["baseline"] for v in result["verdicts"]} == {"cold", "hpa", "keda", "kpa", "static"}
+    assert (out / "latency_cdf.png").read_bytes().startswith(b"\x89PNG")
+
+
+@pytest.mark.parametrize(
+    "variant", ["no-colon", ":min_warm=1", "x:nope=1", "x:templates=a", "x:min_warm=-1"]
+)
+def test_a_bad_dsec_variant_is_refused(trace, variant, capsys):
+    assert policies.main(["--trace", str(trace), "--dsec", variant]) == 2
+    assert "--dsec" in capsys.readouterr().err
