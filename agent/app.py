@@ -125,6 +125,7 @@ class Sandbox:
             created_at=r.created_at,
             lease_id=r.lease_id,
             idempotency_key=r.idempotency_key,
+            owner=r.owner,
             labels=r.labels,
             cpus=self.spec.cpus,
             memory_mb=self.spec.memory_limit_mb,
@@ -293,6 +294,7 @@ class Agent:
             sandbox.record.pool = grant.pool
             sandbox.record.lease_id = grant.lease_id
             sandbox.record.idempotency_key = grant.idempotency_key
+            sandbox.record.owner = grant.owner
             sandbox.record.labels = dict(grant.labels)
             await self.store.put(sandbox.record)
             sandbox.move(SandboxState.LEASED)
@@ -585,25 +587,24 @@ class Agent:
             self.engine_ok = False
 
     async def reconcile(self) -> None:
-        """Drop the sandboxes whose containers are no longer running or paused. Their
-        clients learn it from the control plane (a lease reported lost) and from this
-        agent (410 sandbox_lost), and the pool refills without them."""
-        containers = await self.docker.list_labelled(self.config.node_id)
-        alive = {c.labels.get(LABEL_SANDBOX) for c in containers if c.alive}
+        """Drop the sandboxes whose containers are no longer running (a paused one still
+        counts as running). Their clients learn it from the control plane (a lease reported
+        lost) and from this agent (410 sandbox_lost), and the pool refills without them.
+        Each is looked at under its lock, so a create or restore that ends meanwhile is
+        seen as it is, not as a list taken before it."""
         for sandbox in list(self.sandboxes.values()):
-            if sandbox.record.id in alive or sandbox.state in (
-                SandboxState.CREATING,  # its create call is still in Docker's hands
-                SandboxState.HIBERNATED,  # no container: its image and archive survive
-                SandboxState.DESTROYING,
-            ):
-                continue
             async with sandbox.lock:
-                if self.sandboxes.get(sandbox.record.id) is not sandbox:
+                if self.sandboxes.get(sandbox.record.id) is not sandbox or sandbox.state in (
+                    SandboxState.CREATING,  # its create call is still in Docker's hands
+                    SandboxState.HIBERNATED,  # no container: its image and archive survive
+                    SandboxState.DESTROYING,
+                ):
+                    continue
+                if await self.docker.running(sandbox.record.container_id):
                     continue
                 log.warning("sandbox %s died with the Docker engine", sandbox.record.id)
                 sandbox.move(SandboxState.DESTROYING)
-                if sandbox.record.container_id:
-                    await self.docker.remove(sandbox.record.container_id)
+                await self.docker.remove(sandbox.record.container_id)
                 await self.store.delete(sandbox.record.id)
                 del self.sandboxes[sandbox.record.id]
                 self.lost[sandbox.record.id] = (

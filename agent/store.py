@@ -31,6 +31,7 @@ class SandboxRecord:
     created_at: float
     lease_id: str | None = None
     idempotency_key: str | None = None
+    owner: str | None = None  # the client holding the lease
     labels: dict[str, str] = field(default_factory=dict)
     # set while hibernated: the committed image and the archive of the work dir
     hibernated_image: str | None = None

@@ -53,7 +53,7 @@ from dsec.models import (
 )
 from dsec.policy import Resources
 from dsec.states import SandboxState
-from dsec.tokens import LEASE_TOKEN_HEADER
+from dsec.tokens import LEASE_TOKEN_HEADER, client_id
 
 SCHEDULER = web.AppKey("scheduler", Scheduler)
 
@@ -82,7 +82,7 @@ async def acquire(request: web.Request) -> web.Response:
         body = await read_model(request, AcquireRequest)
         if body.pool in s.config.pools:
             pool = body.pool
-        lease = await s.acquire(body)
+        lease = await s.acquire(body, client_id(bearer_token(request)))
     except (ApiError, web.HTTPClientError) as e:
         if 400 <= e.status < 500:
             if pool == UNKNOWN_POOL and not request.can_read_body:  # the body was read
@@ -102,10 +102,22 @@ def _named_pool(raw: bytes, pools: dict) -> str | None:
     return pool if isinstance(pool, str) and pool in pools else None
 
 
+def _visible_to(request: web.Request, s: Scheduler):
+    """What a caller may see of the sandboxes: an operator all of them, a client the
+    ones it holds a lease on."""
+    if token_matches(bearer_token(request), s.config.admin_tokens):
+        return lambda entry: True
+    me = client_id(bearer_token(request))
+    return lambda entry: entry.owner == me and entry.lease_id is not None
+
+
 async def list_sandboxes(request: web.Request) -> web.Response:
     s = _client(request)
     pool = request.query.get("pool")
-    entries = [e for e in s.view.sandboxes.values() if pool is None or e.pool == pool]
+    visible = _visible_to(request, s)
+    entries = [
+        e for e in s.view.sandboxes.values() if (pool is None or e.pool == pool) and visible(e)
+    ]
     return model_response(SandboxList(sandboxes=[s.info_of(e) for e in entries]))
 
 
@@ -113,6 +125,8 @@ async def get_sandbox(request: web.Request) -> web.Response:
     s = _client(request)
     sandbox_id = sandbox_id_param(request)
     entry = s.view.sandboxes.get(sandbox_id)
+    if entry is not None and not _visible_to(request, s)(entry):
+        entry = None  # another client's: as if it did not exist
     if entry is None:
         if sandbox_id in s.view.released:
             raise ApiError(410, "released", f"sandbox {sandbox_id} was released")

@@ -8,6 +8,12 @@ from dataclasses import dataclass, field
 from dsec.models import Lease
 
 
+def scoped_key(owner: str | None, key: str | None) -> str | None:
+    """An idempotency key as the control plane files it: each client's keys are its own,
+    so a key another client guesses or reuses reaches none of its sandboxes."""
+    return None if key is None else f"{owner}/{key}"
+
+
 @dataclass
 class PendingRequest:
     id: str
@@ -16,10 +22,15 @@ class PendingRequest:
     priority: int
     arrived_at: float
     idempotency_key: str | None
+    owner: str | None  # the client asking
     labels: dict[str, str]
     done: asyncio.Future[Lease] = field(default_factory=asyncio.Future)
     refused_by: set[str] = field(default_factory=set)
     claimed: bool = False  # a sandbox is being leased to it
+
+    @property
+    def scoped_key(self) -> str | None:
+        return scoped_key(self.owner, self.idempotency_key)
 
 
 class RequestQueues:

@@ -21,7 +21,7 @@ from controlplane.cloud import CloudProvider
 from controlplane.config import ControlPlaneConfig
 from controlplane.gateway import AgentGateway, CallResult
 from controlplane.metrics import ControlPlaneMetrics
-from controlplane.queue import PendingRequest, RequestQueues
+from controlplane.queue import PendingRequest, RequestQueues, scoped_key
 from controlplane.spent import SpentKeys
 from controlplane.view import TOMBSTONES, ClusterView, SandboxEntry
 from dsec.baselines import Policy, make_policy
@@ -84,7 +84,7 @@ class Scheduler:
         self.cloud = cloud
         self.peaks = PeakTracker(config.peak_window_s)
         self.requests: dict[str, PendingRequest] = {}
-        # idempotency key -> the waiting request, or the id of the sandbox it got
+        # scoped idempotency key -> the waiting request, or the id of the sandbox it got
         self.by_key: dict[str, PendingRequest | str] = {}
         # keys whose sandbox was released: reusing one is refused, not a fresh sandbox
         self.spent_keys = SpentKeys(
@@ -317,6 +317,7 @@ class Scheduler:
         entry.idle_since = now
         entry.lease_id = new_lease_id()
         entry.idempotency_key = req.idempotency_key
+        entry.owner = req.owner
         entry.labels = dict(req.labels)
         entry.reserved_for = None
         req.claimed = True
@@ -326,6 +327,7 @@ class Scheduler:
             lease_id=entry.lease_id,
             pool=req.pool,
             idempotency_key=req.idempotency_key,
+            owner=req.owner,
             labels=req.labels,
             request_id=req.id,
         )
@@ -356,8 +358,8 @@ class Scheduler:
         self.queues.remove(req)
         self.requests.pop(req.id, None)
         self._unreserve(req)
-        if req.idempotency_key:
-            self.by_key[req.idempotency_key] = entry.id
+        if req.scoped_key:
+            self.by_key[req.scoped_key] = entry.id
         schedule_s = now - req.arrived_at
         self.metrics.schedule_latency.labels(entry.pool, path).observe(schedule_s)
         self.metrics.acquires.labels(entry.pool, "served").inc()
@@ -529,7 +531,9 @@ class Scheduler:
             labels=entry.labels,
         )
 
-    async def acquire(self, body: AcquireRequest) -> Lease:
+    async def acquire(self, body: AcquireRequest, owner: str | None = None) -> Lease:
+        """`owner` is the client asking (dsec.tokens.client_id of its token); None for a
+        caller in this process, such as the simulator."""
         if body.pool not in self.config.pools:
             raise ApiError(
                 422,
@@ -544,16 +548,11 @@ class Scheduler:
                 f"no template named {body.template!r}",
                 [{"loc": "template", "msg": f"known: {sorted(self.config.templates)}"}],
             )
-        key = body.idempotency_key
+        key = scoped_key(owner, body.idempotency_key)
         if key is not None and key not in self.by_key:
             await self._resync(body.timeout_s)
         if key is not None and key in self.spent_keys:
-            raise ApiError(
-                409,
-                "idempotency_key_spent",
-                f"idempotency key {key!r} belonged to sandbox {self.spent_keys.sandbox_of(key)}, "
-                "now released",
-            )
+            raise _key_spent(body.idempotency_key, self.spent_keys.sandbox_of(key))
         if key is not None and key in self.by_key:
             return await self._acquire_again(key, body.timeout_s)
         req = PendingRequest(
@@ -562,7 +561,8 @@ class Scheduler:
             template=body.template,
             priority=body.priority,
             arrived_at=self.clock.now(),
-            idempotency_key=key,
+            idempotency_key=body.idempotency_key,
+            owner=owner,
             labels=dict(body.labels),
         )
         self.queues.add(req)
@@ -592,11 +592,7 @@ class Scheduler:
             return await self._await_lease(known, timeout_s)
         entry = self.view.sandboxes.get(known)
         if entry is None or entry.state not in ASSIGNED:
-            raise ApiError(
-                409,
-                "idempotency_key_spent",
-                f"idempotency key {key!r} belonged to sandbox {known}, now released",
-            )
+            raise _key_spent(key.split("/", 1)[1], known)
         return self.lease_of(entry, "warm", 0.0)
 
     async def _await_lease(self, req: PendingRequest, timeout_s: float) -> Lease:
@@ -627,8 +623,8 @@ class Scheduler:
     def _forget_request(self, req: PendingRequest) -> None:
         self.queues.remove(req)
         self.requests.pop(req.id, None)
-        if req.idempotency_key and self.by_key.get(req.idempotency_key) is req:
-            del self.by_key[req.idempotency_key]
+        if req.scoped_key and self.by_key.get(req.scoped_key) is req:
+            del self.by_key[req.scoped_key]
         self._unreserve(req)
         self.wake()
 
@@ -665,9 +661,9 @@ class Scheduler:
         if entry.state not in ASSIGNED:
             raise ApiError(409, "not_leased", f"sandbox {sandbox_id} is not leased")
         self.metrics.episodes.labels(entry.pool).inc()
-        if entry.idempotency_key:
-            self.by_key.pop(entry.idempotency_key, None)
-            await self.spent_keys.add(entry.idempotency_key, entry.id)
+        if key := scoped_key(entry.owner, entry.idempotency_key):
+            self.by_key.pop(key, None)
+            await self.spent_keys.add(key, entry.id)
         if (in_flight := self.ops.get(sandbox_id)) is not None:
             await asyncio.shield(in_flight)  # a pause or thaw under way finishes first
         task = self._destroy(entry, self.clock.now(), action="release")
@@ -680,8 +676,9 @@ class Scheduler:
         for pool, seconds in changes.busy_s.items():
             self.metrics.busy_seconds.labels(pool).inc(seconds)
         for entry in changes.added:
-            if entry.idempotency_key and entry.state in ASSIGNED:
-                self.by_key.setdefault(entry.idempotency_key, entry.id)
+            key = scoped_key(entry.owner, entry.idempotency_key)
+            if key and entry.state in ASSIGNED:
+                self.by_key.setdefault(key, entry.id)
         self.wake()
 
     def set_pool(self, name: str, params: PoolParams) -> None:
@@ -700,3 +697,11 @@ class Scheduler:
         """Wait for side effects in flight, so shutdown leaves nothing half-done."""
         if self.tasks:
             await asyncio.gather(*list(self.tasks), return_exceptions=True)
+
+
+def _key_spent(key: str | None, sandbox_id: str) -> ApiError:
+    return ApiError(
+        409,
+        "idempotency_key_spent",
+        f"idempotency key {key!r} belonged to sandbox {sandbox_id}, now released",
+    )

@@ -53,6 +53,7 @@ class SandboxEntry:
     memory_mb: int
     lease_id: str | None = None
     idempotency_key: str | None = None
+    owner: str | None = None  # the client holding the lease
     labels: dict[str, str] = field(default_factory=dict)
     reserved_for: str | None = None
     op_in_flight: bool = False
@@ -277,6 +278,7 @@ class ClusterView:
             memory_mb=sb.memory_mb,
             lease_id=sb.lease_id,
             idempotency_key=sb.idempotency_key,
+            owner=sb.owner,
             labels=dict(sb.labels),
             confirmed_at=now,
             busy_s=sb.busy_s,

@@ -24,6 +24,7 @@ SandboxId = Annotated[str, StringConstraints(pattern=SANDBOX_ID_PATTERN)]
 LabelKey = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,62}$")]
 LabelValue = Annotated[str, StringConstraints(max_length=256)]
 IdempotencyKey = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9._:-]{1,128}$")]
+ClientId = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{16}$")]
 ImageRef = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9._/:@-]{0,254}$")]
 NodeKind = Literal["local", "cloud"]
 SchedulePath = Literal["warm", "thaw", "cold", "overflow"]
@@ -220,6 +221,7 @@ class SandboxReport(Wire):
     created_at: float
     lease_id: str | None = None
     idempotency_key: str | None = None
+    owner: ClientId | None = Field(None, description="the client holding the lease")
     labels: dict[str, str] = Field(default_factory=dict)
     cpus: float
     memory_mb: int
@@ -277,5 +279,6 @@ class LeaseGrant(Wire):
     lease_id: str = Field(pattern=r"^[0-9a-f]{32}$")
     pool: Name = Field(description="the pool it now serves (a higher one may take it over)")
     idempotency_key: IdempotencyKey | None = None
+    owner: ClientId | None = Field(None, description="the client the lease is for")
     labels: dict[LabelKey, LabelValue] = Field(default_factory=dict, max_length=32)
     request_id: str = Field(max_length=128)

@@ -26,4 +26,10 @@ def lease_token(secret: str, sandbox_id: str, lease_id: str) -> str:
     return mac.hexdigest()
 
 
+def client_id(token: str) -> str:
+    """Who a bearer token speaks for, without keeping the token: leases and idempotency
+    keys belong to it, so one client never sees or reaches another's."""
+    return hashlib.sha256(token.encode()).hexdigest()[:16]
+
+
 LEASE_TOKEN_HEADER = "X-Dsec-Lease-Token"  # proves a release comes from the lease holder

@@ -153,6 +153,33 @@ async def test_a_lease_token_runs_commands_in_its_own_sandbox_only(pool, alice, 
         await theirs.release()
 
 
+async def test_a_client_sees_and_reaches_only_its_own_sandboxes(pool, alice, bob):
+    key = "shared-looking-key"
+    mine = await alice.acquire(idempotency_key=key)
+    try:
+        # Bob, sending the same idempotency key, gets a sandbox of his own: keys are per client
+        theirs = await bob.acquire(idempotency_key=key)
+        try:
+            assert theirs.id != mine.id
+            assert theirs.lease.lease_token != mine.lease.lease_token
+            assert {s.id for s in await bob.list()} == {theirs.id}
+            assert {s.id for s in await alice.list()} == {mine.id}
+            for who, other in ((bob, mine), (alice, theirs)):
+                status, body = await call("GET", f"{pool.url}/v1/sandboxes/{other.id}", who.token)
+                assert_refused((status, body), 404, "unknown_sandbox", "another's sandbox")
+            # Alice's retry still finds her own sandbox, and an operator sees both
+            again = await alice.acquire(idempotency_key=key)
+            assert again.id == mine.id and again.lease.lease_token == mine.lease.lease_token
+            async with Client(pool.url, token=pool.tokens.admin) as operator:
+                listed = {s.id for s in await operator.list()}
+                assert {mine.id, theirs.id} <= listed
+                assert (await operator.get(mine.id)).state == "leased"
+        finally:
+            await theirs.release()
+    finally:
+        await mine.release()
+
+
 async def test_a_released_lease_token_is_refused(pool, alice):
     sb_key = "released-lease"
     sb = await alice.acquire(idempotency_key=sb_key)

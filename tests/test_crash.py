@@ -51,6 +51,13 @@ async def client(pool: LocalPool) -> AsyncIterator[Client]:
         yield c
 
 
+@pytest_asyncio.fixture(loop_scope="module")
+async def operator(pool: LocalPool) -> AsyncIterator[Client]:
+    # sees every sandbox, warm ones included (a client sees its own leases only)
+    async with Client(pool.url, token=pool.tokens.admin) as c:
+        yield c
+
+
 async def states(client: Client) -> dict[str, str]:
     return {s.id: s.state for s in await client.list()}
 
@@ -71,12 +78,12 @@ def containers_by_sandbox(docker_client: docker.DockerClient, pool: LocalPool) -
     return counts
 
 
-async def assert_every_container_accounted_for(client, docker_client, pool) -> None:
+async def assert_every_container_accounted_for(operator, docker_client, pool) -> None:
     """One container per sandbox, and every container is one the control plane knows:
     nothing orphaned, nothing doubled. Waits out removals and creates under way."""
 
     async def settled() -> bool:
-        known = await states(client)
+        known = await states(operator)
         counts = containers_by_sandbox(docker_client, pool)
         moving = {"creating", "destroying"}
         return set(counts) == set(known) and not moving & set(known.values())
@@ -101,7 +108,7 @@ async def assert_same_sandboxes(sandboxes: list[Sandbox]) -> None:
 
 
 async def test_a_killed_agent_is_reported_lost_then_adopts_its_sandboxes(
-    pool, client, docker_client
+    pool, client, operator, docker_client
 ):
     leases = list(await asyncio.gather(*(client.acquire() for _ in range(9))))
     await write_ids(leases)
@@ -112,7 +119,7 @@ async def test_a_killed_agent_is_reported_lost_then_adopts_its_sandboxes(
     killed_at = time.monotonic()
     victim.proc.send_signal(signal.SIGKILL)
     await victim.proc.wait()
-    lost = partial(all_in_state, client, on_victim, "lost")
+    lost = partial(all_in_state, operator, on_victim, "lost")
     await eventually(lost, "the dead node's sandboxes to be lost", timeout=LOST_WITHIN_S + 5)
     lost_after_s = time.monotonic() - killed_at
     assert lost_after_s <= LOST_WITHIN_S, f"reported lost after {lost_after_s:.1f} s"
@@ -130,14 +137,14 @@ async def test_a_killed_agent_is_reported_lost_then_adopts_its_sandboxes(
 
     restarted = await pool.restart_agent(victim)
     assert restarted.url == victim.url
-    leased_again = partial(all_in_state, client, on_victim, "leased")
+    leased_again = partial(all_in_state, operator, on_victim, "leased")
     await eventually(leased_again, "the restarted node to report its leases", timeout=10)
     # same containers, same files, same tokens: adopted, not recreated
     await assert_same_sandboxes(leases)
-    await assert_every_container_accounted_for(client, docker_client, pool)
+    await assert_every_container_accounted_for(operator, docker_client, pool)
     await asyncio.gather(*(sb.release() for sb in leases + fresh))
-    await assert_every_container_accounted_for(client, docker_client, pool)
-    assert "leased" not in (await states(client)).values()
+    await assert_every_container_accounted_for(operator, docker_client, pool)
+    assert "leased" not in (await states(operator)).values()
 
 
 async def respawn_controlplane(pool: LocalPool) -> None:
@@ -176,7 +183,9 @@ async def acquire_until_answered(client: Client, key: str) -> Sandbox:
             await asyncio.sleep(0.05)
 
 
-async def test_a_control_plane_killed_mid_burst_loses_no_lease(pool, client, docker_client):
+async def test_a_control_plane_killed_mid_burst_loses_no_lease(
+    pool, client, operator, docker_client
+):
     released = await client.acquire(idempotency_key="released-before-the-crash")
     await released.release()
     held = [await client.acquire(idempotency_key=f"held-{i}") for i in range(3)]
@@ -207,17 +216,17 @@ async def test_a_control_plane_killed_mid_burst_loses_no_lease(pool, client, doc
         if key in answered:
             assert sb.id == answered[key].id, f"{key} got a second sandbox"
             assert sb.lease.lease_token == answered[key].lease.lease_token
-    leased = {i for i, state in (await states(client)).items() if state == "leased"}
+    leased = {i for i, state in (await states(operator)).items() if state == "leased"}
     assert leased == {sb.id for sb in held + retried}, "leases nobody holds, or doubles"
     # the leases made before the crash work with the tokens their clients hold
     await assert_same_sandboxes(held)
     await write_ids(retried)
     await assert_same_sandboxes(retried)
 
-    await assert_every_container_accounted_for(client, docker_client, pool)
+    await assert_every_container_accounted_for(operator, docker_client, pool)
     await asyncio.gather(*(sb.release() for sb in held + retried))
-    await assert_every_container_accounted_for(client, docker_client, pool)
-    assert "leased" not in (await states(client)).values()
+    await assert_every_container_accounted_for(operator, docker_client, pool)
+    assert "leased" not in (await states(operator)).values()
     with pytest.raises(DsecError) as spent:
         await client.acquire(idempotency_key=keys[0])
     assert spent.value.code == "idempotency_key_spent"

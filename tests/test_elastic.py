@@ -82,7 +82,7 @@ async def test_hibernation_keeps_files_and_releases_the_container(
 ):
     name = "hibernate"
     await operator.set_pool(name, PoolParams(min_warm=1, templates=["base"]))
-    [sandbox_id] = await eventually(lambda: _ids(client, name, "warm", 1))
+    [sandbox_id] = await eventually(lambda: _ids(operator, name, "warm", 1))
     # what a previous tenant of the template left in its work dir (written from outside)
     docker_client.containers.get(f"dsec-{sandbox_id}").exec_run(
         ["sh", "-c", "echo kept > /work/state"]
