@@ -311,7 +311,9 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--json", action="store_true")
     st.set_defaults(run=cmd_status)
 
-    pl = sub.add_parser("plan", help="size a sandbox pool for a training run")
+    pl = sub.add_parser(
+        "plan", help="size a sandbox pool for a training run (--simulate: check it in the sim)"
+    )
     add_plan_arguments(pl)
     pl.set_defaults(run=run_plan)
 

@@ -4,6 +4,12 @@ The arithmetic follows seed 000 (sizing a sandbox pool for one RL training run):
 the effective trajectory rate comes from the budget and deadline, the inference
 threshold from output tokens, sandboxes in flight from Little's law, and version lag
 from the discrete release timeline of its appendix A1. Defaults are the seed's base case.
+
+`dsec plan --simulate` then checks the node count in the simulator: bench/plan_check.py
+plays the planned load through the control plane's scheduler and reports whether the
+schedule-latency and queue-wait targets hold, and the node count at which they do (its
+docstring says how the load is built, scaled and measured). This module validates the
+flags (SimulateSettings) and imports the simulator only when asked to run it.
 """
 
 from __future__ import annotations
@@ -13,9 +19,18 @@ import json
 import math
 import sys
 from statistics import NormalDist
-from typing import Self
+from typing import Literal, Self
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from dsec.baselines import POLICIES
 
 SECONDS_PER_DAY = 86_400.0
 
@@ -228,6 +243,38 @@ def plan(inp: PlanInput) -> PlanResult:
     )
 
 
+# Without --sim-scale, the simulation runs the whole load up to this many sandboxes in
+# flight and scales it down to this beyond (bench/plan_check.py): bench/sim_scale.py runs
+# 20,000 at about a simulated hour in 40 s on two cores.
+SIM_AUTO_MAX_IN_FLIGHT = 20_000
+
+
+class SimulateSettings(BaseModel):
+    """How `dsec plan --simulate` checks the plan; field names match the CLI flags."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    policy: str = Field("dsec", description="the pool's policy in the simulation")
+    seed: int = Field(0, description="seeds the trace and the simulator")
+    nodes: int | None = Field(None, gt=0, le=10_000, description="first node count to simulate")
+    load: Literal["effective", "raw"] = Field(
+        "effective", description="effective rate R (nodes_mean) or raw R/p (nodes_mean_raw)"
+    )
+    sim_scale: float | None = Field(
+        None, gt=0, le=1, description="share of the load simulated; None: automatic"
+    )
+    warmup_s: float = Field(600.0, gt=0, le=86_400, description="unmeasured start")
+    window_s: float = Field(600.0, gt=0, le=86_400, description="measured arrivals")
+    max_runs: int = Field(8, ge=1, le=50, description="simulations the search may run")
+
+    @field_validator("policy")
+    @classmethod
+    def _known_policy(cls, name: str) -> str:
+        if name not in POLICIES:
+            raise ValueError(f"unknown policy; known: {', '.join(sorted(POLICIES))}")
+        return name
+
+
 # (figure, label, unit, format) in the order the table prints them.
 _TABLE_ROWS: tuple[tuple[str, str, str, str], ...] = (
     ("trajectories_per_s", "effective trajectories/s", "1/s", ".2f"),
@@ -288,6 +335,29 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
         parser.add_argument(flag, type=kind, default=None, help=help_text)
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
 
+    check = parser.add_argument_group(
+        "simulation (--simulate): check the node count in the simulator"
+    )
+    check.add_argument(
+        "--simulate",
+        action="store_true",
+        help="play the planned load through the scheduler; report latency, queue wait and "
+        "the node count that meets the targets",
+    )
+    sim_flags: tuple[tuple[str, type, str], ...] = (
+        ("--policy", str, f"pool policy: {', '.join(sorted(POLICIES))} (dsec)"),
+        ("--seed", int, "seed of the trace and the simulator (0)"),
+        ("--nodes", int, "node count to simulate first (the plan's)"),
+        ("--load", str, "effective (R, nodes_mean) or raw (R/p, nodes_mean_raw) (effective)"),
+        ("--sim-scale", float, "share of the load simulated, in (0, 1] (automatic: all of it "
+         f"up to {SIM_AUTO_MAX_IN_FLIGHT:,} sandboxes in flight)"),
+        ("--warmup-s", float, "simulated seconds before measuring (600)"),
+        ("--window-s", float, "simulated seconds of measured arrivals (600)"),
+        ("--max-runs", int, "simulations the node search may run (8)"),
+    )  # fmt: skip
+    for flag, kind, help_text in sim_flags:
+        check.add_argument(flag, type=kind, default=None, help=help_text)
+
 
 def _describe(error: ValidationError) -> str:
     """One line naming the offending flags, for a person at a terminal."""
@@ -302,20 +372,52 @@ def _describe(error: ValidationError) -> str:
     return "; ".join(parts)
 
 
-def run_plan(args: argparse.Namespace) -> int:
-    """Run `dsec plan`: print the table, or JSON with --json; 2 on bad input."""
-    given = {
+def _given(args: argparse.Namespace, model: type[BaseModel]) -> dict[str, object]:
+    return {
         name: getattr(args, name)
-        for name in PlanInput.model_fields
+        for name in model.model_fields
         if getattr(args, name, None) is not None
     }
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    """Run `dsec plan`: print the table, or JSON with --json; 2 on bad input.
+
+    With --simulate, the simulator's check follows the table (in the JSON: "simulation").
+    """
+    simulating = getattr(args, "simulate", False)
+    sim_given = _given(args, SimulateSettings)
     try:
-        result = plan(PlanInput(**given))
+        if sim_given and not simulating:
+            flags = ", ".join("--" + name.replace("_", "-") for name in sim_given)
+            raise ValueError(f"{flags} only apply with --simulate")
+        result = plan(PlanInput(**_given(args, PlanInput)))
+        settings = SimulateSettings(**sim_given) if simulating else None
+        check = None
+        if settings is not None:
+            # imported here: the simulator is the bench's, and slow to import
+            from bench.plan_check import check_plan, render_check
+
+            check = check_plan(result, settings, on_run=_print_run)
     except ValidationError as error:
         print(f"dsec plan: {_describe(error)}", file=sys.stderr)
         return 2
+    except ValueError as error:
+        print(f"dsec plan: {error}", file=sys.stderr)
+        return 2
     if args.json:
-        print(json.dumps(result.model_dump(mode="json"), indent=2, ensure_ascii=False))
+        dumped = result.model_dump(mode="json")
+        if check is not None:
+            dumped["simulation"] = check.model_dump(mode="json")
+        print(json.dumps(dumped, indent=2, ensure_ascii=False))
     else:
         print(render_table(result))
+        if check is not None:
+            print()
+            print(render_check(check))
     return 0
+
+
+def _print_run(line: str) -> None:
+    """Progress of the simulations, on stderr: stdout carries only the result."""
+    print(f"dsec plan: {line}", file=sys.stderr, flush=True)
