@@ -6,6 +6,14 @@ Docker operations are timed through the agent's own driver (the same hardened
 create, the same remove, pause, unpause, commit); exec and lease through a live
 local pool (an exec of `true` via the agent; a warm acquire's server-side schedule
 time, which is the lease call). Restore is a create plus unpacking a work dir.
+
+The machine's cores are shared by everything its engine runs, so durations depend on
+load. Creates and removes are also timed CONCURRENCY at a time, and warm acquires
+while LOAD_LEVELS background loops keep the engine busy (each loop: a create, an exec
+in a leased sandbox, a remove, over and over: one engine operation always under way
+per loop). Acquires at load 0 take sandboxes from a warm pool that does not refill,
+so that not even their own refill runs meanwhile. Levels are measured in turns, a few
+acquires each, so that a change in the machine's other load touches all of them.
 """
 
 from __future__ import annotations
@@ -14,56 +22,172 @@ import argparse
 import asyncio
 import sys
 import tempfile
+import threading
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
+import aiohttp
 import docker
+import requests
 
 from agent.docker_driver import LABEL_NODE, DockerDriver
 from bench.live_latency import _wait_warm
 from bench.sim.profile import OPS, Profile
-from dsec.client import Client
+from dsec.client import Client, DsecError, Sandbox
 from dsec.image import BASE_IMAGE, ensure_base_image
-from dsec.localpool import LocalPool, LocalPoolSpec
+from dsec.localpool import LocalPool, LocalPoolError, LocalPoolSpec
 from dsec.models import Capacity, PoolParams, TemplateSpec
 
+CONCURRENCY = (2, 4, 8)  # creates and removes timed this many at a time, besides one at a time
+LOAD_LEVELS = (0, 1, 2, 4)  # background loops while warm acquires are timed
+BATCH = 10  # warm sandboxes per turn of acquires
+# a node runs as many Docker operations at once as its agent has lifecycle threads
+# (agent.docker_driver.AsyncDocker); the measured loads say how much slower each gets
+AGENT_LIFECYCLE_THREADS = 8
+ACQUIRE_GAP_S = 0.02  # between acquires of a turn: each meets the load, not the last one
+LOAD_SETTLE_S = 0.3  # background loops run this long before a turn starts
 
-def _timed(fn, *args) -> float:
+# what a calibration that cannot reach or drive Docker, or its pool, fails with
+CALIBRATE_ERRORS = (
+    docker.errors.DockerException,
+    requests.RequestException,
+    LocalPoolError,
+    DsecError,
+    aiohttp.ClientError,
+    TimeoutError,
+    RuntimeError,  # the pool never warmed up
+)
+
+Samples = dict[str, list[float]]
+LoadedSamples = dict[str, dict[int, list[float]]]
+
+
+def _timed(fn: Callable, *args) -> float:
     started = time.perf_counter()
     fn(*args)
     return time.perf_counter() - started
 
 
-def docker_samples(n: int) -> dict[str, list[float]]:
-    client = docker.from_env()
-    ensure_base_image(client)
-    driver = DockerDriver(client)
-    spec = TemplateSpec(name="base", image=BASE_IMAGE)
-    node = f"calibrate-{uuid.uuid4().hex[:6]}"
-    samples: dict[str, list[float]] = {op: [] for op in ("create", "remove", "pause", "unpause",
-                                                         "commit")}  # fmt: skip
+class Engine:
+    """The agent's Docker driver, creating containers labelled with a node of its own."""
+
+    def __init__(self) -> None:
+        client = docker.from_env()
+        ensure_base_image(client)
+        self.driver = DockerDriver(client)
+        self.spec = TemplateSpec(name="base", image=BASE_IMAGE)
+        self.node = f"calibrate-{uuid.uuid4().hex[:6]}"
+        self._names = iter(range(1 << 62))
+        self._lock = threading.Lock()
+
+    def create(self) -> str:
+        with self._lock:
+            name = f"{self.node}-{next(self._names)}"
+        return self.driver.create(name, self.spec, {LABEL_NODE: self.node})
+
+    def sweep(self) -> None:
+        """Remove every container of this node: what a failed calibration left."""
+        try:
+            for container in self.driver.list_labelled(self.node):
+                self.driver.remove(container.id)
+        except (docker.errors.DockerException, requests.RequestException) as e:
+            print(f"calibrate: could not remove containers labelled {LABEL_NODE}={self.node}: "
+                  f"{e}", file=sys.stderr)  # fmt: skip
+
+
+def _concurrently(n: int, fn: Callable[[int], None]) -> None:
+    """fn(0), ..., fn(n - 1) on n threads started together."""
+    start = threading.Barrier(n)
+    errors: list[BaseException] = []
+
+    def run(i: int) -> None:
+        try:
+            start.wait()
+            fn(i)
+        except BaseException as e:  # re-raised below, on the caller's thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+
+
+def docker_samples(engine: Engine, n: int) -> tuple[Samples, LoadedSamples]:
+    """Each operation one at a time; creates and removes also CONCURRENCY at a time (the
+    samples of c at a time are those of load c - 1: the others under way)."""
+    driver = engine.driver
+    samples: Samples = {op: [] for op in ("create", "remove", "pause", "unpause", "commit")}
+    loaded: LoadedSamples = {"create": {}, "remove": {}}
     ids: list[str] = []
-    try:
-        for i in range(n):
-            started = time.perf_counter()
-            ids.append(driver.create(f"{node}-{i}", spec, {LABEL_NODE: node}))
-            samples["create"].append(time.perf_counter() - started)
-        for cid in ids:
-            samples["pause"].append(_timed(driver.pause, cid))
-            samples["unpause"].append(_timed(driver.unpause, cid))
-        for i, cid in enumerate(ids[: max(3, n // 3)]):
-            started = time.perf_counter()
-            ref = driver.commit(cid, "dsec-calibrate", f"{node}-{i}")
-            samples["commit"].append(time.perf_counter() - started)
-            driver.remove_image(ref)
-    finally:
-        for cid in ids:
-            samples["remove"].append(_timed(driver.remove, cid))
-    return samples
+    for _ in range(n):
+        started = time.perf_counter()
+        ids.append(engine.create())
+        samples["create"].append(time.perf_counter() - started)
+    for cid in ids:
+        samples["pause"].append(_timed(driver.pause, cid))
+        samples["unpause"].append(_timed(driver.unpause, cid))
+    for i, cid in enumerate(ids[: max(3, n // 3)]):
+        started = time.perf_counter()
+        ref = driver.commit(cid, "dsec-calibrate", f"{engine.node}-{i}")
+        samples["commit"].append(time.perf_counter() - started)
+        driver.remove_image(ref)
+    samples["remove"] = [_timed(driver.remove, cid) for cid in ids]
+    for c in CONCURRENCY:
+        per_thread = -(-n // c)
+        made: list[list[str]] = [[] for _ in range(c)]
+        took: dict[str, list[float]] = {"create": [], "remove": []}
+
+        def create(i: int, made=made, took=took, per_thread=per_thread) -> None:
+            for _ in range(per_thread):
+                started = time.perf_counter()
+                made[i].append(engine.create())
+                took["create"].append(time.perf_counter() - started)
+
+        def remove(i: int, made=made, took=took) -> None:
+            took["remove"] += [_timed(driver.remove, cid) for cid in made[i]]
+
+        _concurrently(c, create)
+        _concurrently(c, remove)
+        for op in took:
+            loaded[op][c - 1] = took[op]
+    return samples, loaded
 
 
-async def pool_samples(n: int) -> dict[str, list[float]]:
+class LoadLoops:
+    """`k` background loops keeping the engine busy: create, exec `true` in one of the
+    held sandboxes, remove; one engine operation under way per loop at any time."""
+
+    def __init__(self, engine: Engine, held: list[Sandbox]) -> None:
+        self.engine = engine
+        self.held = held
+        self.stopping = asyncio.Event()
+        self.tasks: list[asyncio.Task] = []
+
+    async def _loop(self, sandbox: Sandbox) -> None:
+        while not self.stopping.is_set():
+            cid = await asyncio.to_thread(self.engine.create)
+            try:
+                await sandbox.exec(["true"])
+            finally:
+                await asyncio.to_thread(self.engine.driver.remove, cid)
+
+    def start(self, k: int) -> None:
+        self.stopping.clear()
+        self.tasks = [asyncio.create_task(self._loop(sb)) for sb in self.held[:k]]
+
+    async def stop(self) -> None:
+        self.stopping.set()
+        await asyncio.gather(*self.tasks)
+        self.tasks = []
+
+
+async def pool_samples(engine: Engine, n: int) -> tuple[Samples, LoadedSamples]:
     spec = LocalPoolSpec(
         name=f"calibrate-{uuid.uuid4().hex[:6]}", nodes=1, port=0,
         capacity=Capacity(cpus=64, memory_mb=65536, slots=64),
@@ -71,36 +195,70 @@ async def pool_samples(n: int) -> dict[str, list[float]]:
     )  # fmt: skip
     pool = LocalPool(spec)
     await pool.start()
-    samples: dict[str, list[float]] = {"exec": [], "lease": []}
+    samples: Samples = {"exec": []}
+    by_level: dict[int, list[float]] = {k: [] for k in LOAD_LEVELS}
+    top = max(LOAD_LEVELS)
     try:
         async with (
             Client(pool.url, token=pool.tokens.admin) as operator,
-            Client(pool.url, token=pool.tokens.client) as client,
+            Client(pool.url, token=pool.tokens.client, connection_limit=top + BATCH + 8) as client,
         ):
-            await operator.set_pool("calibrate", PoolParams(min_warm=10, templates=["base"]))
-            while len(samples["lease"]) < n:
-                await _wait_warm(client, "calibrate", 10)
-                held = [await client.acquire(pool="calibrate") for _ in range(10)]
-                samples["lease"] += [sb.lease.schedule_ms / 1000 for sb in held]
-                await asyncio.gather(*(sb.release() for sb in held))
-            async with client.sandbox(pool="calibrate") as sb:
+            # sandboxes for the background loops' execs, held throughout
+            await operator.set_pool("load", PoolParams(min_warm=top, templates=["base"]))
+            await _wait_warm(client, "load", top)
+            held = [await client.acquire(pool="load") for _ in range(top)]
+            await operator.set_pool("load", PoolParams(min_warm=0, max_warm=0, templates=[]))
+            async with client.sandbox(pool="load") as sb:
                 for _ in range(n):
                     started = time.perf_counter()
                     await sb.exec(["true"])
                     samples["exec"].append(time.perf_counter() - started)
-            await operator.set_pool("calibrate", PoolParams(min_warm=0, templates=[]))
+            loops = LoadLoops(engine, held)
+            while min(len(s) for s in by_level.values()) < n:
+                for k in LOAD_LEVELS:
+                    by_level[k] += await _acquire_turn(operator, client, loops, k)
+            await asyncio.gather(*(sb.release() for sb in held))
     finally:
         await pool.stop()
-    return samples
+    samples["lease"] = by_level[0][:n]
+    return samples, {"lease": {k: by_level[k][:n] for k in LOAD_LEVELS if k}}
+
+
+async def _acquire_turn(operator: Client, client: Client, loops: LoadLoops, k: int) -> list[float]:
+    """BATCH warm acquires' schedule times while k background loops run; the warm pool
+    does not refill meanwhile."""
+    await operator.set_pool("calibrate", PoolParams(min_warm=BATCH, templates=["base"]))
+    await _wait_warm(client, "calibrate", BATCH)
+    await operator.set_pool("calibrate", PoolParams(min_warm=0, max_warm=0, templates=["base"]))
+    loops.start(k)
+    got: list[Sandbox] = []
+    try:
+        await asyncio.sleep(LOAD_SETTLE_S)
+        for _ in range(BATCH):
+            got.append(await client.acquire(pool="calibrate"))
+            await asyncio.sleep(ACQUIRE_GAP_S)
+    finally:
+        await loops.stop()
+        await asyncio.gather(*(sb.release() for sb in got))
+    return [sb.lease.schedule_ms / 1000 for sb in got if sb.lease.path == "warm"]
 
 
 def calibrate(n: int) -> Profile:
-    samples = docker_samples(n)
-    samples.update(asyncio.run(pool_samples(n)))
+    """Raises one of CALIBRATE_ERRORS if Docker or the pool fails; leaves no container."""
+    engine = Engine()
+    try:
+        samples, under_load = docker_samples(engine, n)
+        pooled, pooled_loaded = asyncio.run(pool_samples(engine, n))
+    finally:
+        engine.sweep()
+    samples.update(pooled)
+    under_load.update(pooled_loaded)
     # a restore is a create plus unpacking the work dir through an exec
     samples["restore"] = [c + e for c, e in zip(samples["create"], samples["exec"], strict=False)]
     assert set(samples) == set(OPS)
-    return Profile(samples, source=f"calibrated here, {n} samples per operation")
+    return Profile(samples, engine_concurrency=AGENT_LIFECYCLE_THREADS,
+                   source=f"calibrated here, {n} samples per operation and load",
+                   under_load=under_load)  # fmt: skip
 
 
 def add_calibrate_arguments(parser: argparse.ArgumentParser) -> None:
@@ -108,14 +266,27 @@ def add_calibrate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, default=Path("profile.json"))
 
 
+def describe(profile: Profile) -> str:
+    def med_max(s: list[float]) -> str:
+        s = sorted(s)
+        return f"median {s[len(s) // 2] * 1000:8.1f} ms   max {s[-1] * 1000:8.1f} ms"
+
+    lines = [f"{op:8} {med_max(profile.samples[op])}" for op in OPS]
+    for op, by_k in profile.under_load.items():
+        lines += [f"{op:8} {med_max(s)}   with {k} others" for k, s in sorted(by_k.items())]
+    return "\n".join(lines)
+
+
 def run_calibrate(args: argparse.Namespace) -> int:
     if not 5 <= args.samples <= 1000:
         print("dsec bench calibrate: --samples must be between 5 and 1000", file=sys.stderr)
         return 2
-    profile = calibrate(args.samples)
+    try:
+        profile = calibrate(args.samples)
+    except CALIBRATE_ERRORS as e:
+        print(f"dsec bench calibrate: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
     profile.save(args.out)
-    for op in OPS:
-        s = sorted(profile.samples[op])
-        print(f"{op:8} median {s[len(s) // 2] * 1000:8.1f} ms   max {s[-1] * 1000:8.1f} ms")
+    print(describe(profile))
     print(f"profile written to {args.out}")
     return 0

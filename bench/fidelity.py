@@ -1,13 +1,22 @@
 """How far the simulator is from the live pool, on one trace in one run.
 
     dsec bench fidelity --trace FILE [--time-scale X] [--nodes 3] [--slots-per-node S]
-                        [--profile profile.json] [--out DIR] [--json]
+                        [--profile profile.json | --calibrate] [--sim-seeds 10]
+                        [--out DIR] [--json]
 
 The same (time-scaled) trace is replayed live, on a local pool this command starts,
 and in the simulator with the same policy, nodes, slots and pool parameters. The
-local pool's agents share one Docker engine, so the simulator queues every node's
-creates on one engine too. Reported: the relative error of p50 and p95 schedule
-latency and of utilisation, |sim - live| / live.
+local pool's agents share one machine and its Docker engine, so the simulator
+counts every node's operations on one engine too. Both sides report the same
+interval: the control plane's schedule time, from an acquire's arrival to its lease
+made on the agent.
+
+Timings on a shared machine move with its other load, so `--calibrate` measures the
+profile (`dsec bench calibrate`) in this invocation, right before the live replay,
+and saves it in the output directory. The simulator's figures are the median over
+`--sim-seeds` seeds (its own spread is reported too): one live run against the
+simulator's typical run, not against one draw of it. Reported: the relative error of
+p50 and p95 schedule latency and of utilisation, |sim - live| / live.
 """
 
 from __future__ import annotations
@@ -18,12 +27,17 @@ import json
 import sys
 from pathlib import Path
 
-from bench.replay_live import default_pool_spec, replay_live
+from bench.calibrate import CALIBRATE_ERRORS, calibrate
+from bench.replay_live import ReplayError, default_pool_spec, replay_live
 from bench.report import build_report, write_report
 from bench.runargs import add_run_arguments, load_run
 from bench.sim import simulate
 from bench.sim.profile import Profile
+from bench.stats import quantile
+from dsec.localpool import LocalPoolSpec
 from dsec.trace import TraceError
+
+FIGURES = ("p50_ms", "p95_ms", "utilisation")
 
 
 def relative_error(sim: float | None, live: float | None) -> float | None:
@@ -32,35 +46,54 @@ def relative_error(sim: float | None, live: float | None) -> float | None:
     return round(abs(sim - live) / abs(live), 4)
 
 
-def fidelity(episodes, *, policy: str, nodes: int, slots_per_node: int, time_scale: float,
-             seed: int, profile: Profile | None, trace_name: str, out: Path) -> dict:  # fmt: skip
-    spec = default_pool_spec(policy, nodes=nodes, slots_per_node=slots_per_node)
+def figures_of(report: dict) -> dict:
+    return {
+        "p50_ms": report["schedule_latency_ms"]["p50"],
+        "p95_ms": report["schedule_latency_ms"]["p95"],
+        "utilisation": report["utilisation"],
+    }
+
+
+def fidelity(episodes, spec: LocalPoolSpec, *, time_scale: float, seed: int,
+             profile: Profile | None, trace_name: str, out: Path,
+             sim_seeds: int = 1) -> dict:  # fmt: skip
+    """Replay `episodes` live on a local pool started from `spec`, then simulate the
+    pool `spec` describes (its policy, nodes, slots, pool parameters and tick)."""
     live = asyncio.run(
-        replay_live(episodes, pool_spec=spec, time_scale=time_scale, policy=policy,
+        replay_live(episodes, pool_spec=spec, time_scale=time_scale, policy=spec.policy,
                     trace=trace_name, seed=seed, progress=False)
     )  # fmt: skip
-    sim = simulate(
-        episodes, policy=policy, nodes=nodes, slots_per_node=slots_per_node, seed=seed,
-        time_scale=time_scale, params=spec.pool, profile=profile, shared_engine=True,
-        tick_s=spec.tick_s, trace_name=trace_name,
-    )  # fmt: skip
-    reports = {"live": build_report(live), "sim": build_report(sim)}
+    sims = [
+        simulate(
+            episodes,
+            policy=spec.policy,
+            nodes=spec.nodes,
+            slots_per_node=spec.capacity.slots,
+            seed=s,
+            time_scale=time_scale,
+            params=spec.pool,
+            profile=profile,
+            shared_engine=True,
+            tick_s=spec.tick_s,
+            trace_name=trace_name,
+        )
+        for s in range(seed, seed + sim_seeds)
+    ]
     write_report(live, out / "live")
-    write_report(sim, out / "sim")
+    write_report(sims[0], out / "sim")
+    per_seed = [figures_of(build_report(sim)) for sim in sims]
     figures = {
-        side: {
-            "p50_ms": r["schedule_latency_ms"]["p50"],
-            "p95_ms": r["schedule_latency_ms"]["p95"],
-            "utilisation": r["utilisation"],
-        }
-        for side, r in reports.items()
+        "live": figures_of(build_report(live)),
+        "sim": {name: round(quantile([f[name] for f in per_seed], 0.5), 4) for name in FIGURES},
     }
-    errors = {
-        name: relative_error(figures["sim"][name], figures["live"][name])
-        for name in ("p50_ms", "p95_ms", "utilisation")
+    errors = {name: relative_error(figures["sim"][name], figures["live"][name]) for name in FIGURES}
+    spread = {
+        name: [min(f[name] for f in per_seed), max(f[name] for f in per_seed)] for name in FIGURES
     }
-    return {"trace": trace_name, "policy": policy, "time_scale": time_scale, **figures,
-            "relative_error": errors, "sim_wall_s": sim.meta["wall_s"],
+    return {"trace": trace_name, "policy": spec.policy, "time_scale": time_scale, **figures,
+            "relative_error": errors, "sim_seeds": sim_seeds, "sim_spread": spread,
+            "profile": profile.source if profile else "default",
+            "sim_wall_s": round(sum(sim.meta["wall_s"] for sim in sims), 3),
             "live_wall_s": live.meta.get("wall_s")}  # fmt: skip
 
 
@@ -71,25 +104,43 @@ def render(result: dict) -> str:
         lines.append(f"| {side} | {f['p50_ms']} | {f['p95_ms']} | {f['utilisation']} |")
     e = result["relative_error"]
     lines.append(f"| relative error | {e['p50_ms']} | {e['p95_ms']} | {e['utilisation']} |")
+    lines.append(f"(sim: median of {result['sim_seeds']} seeds; profile: {result['profile']})")
     return "\n".join(lines)
 
 
 def add_fidelity_arguments(parser: argparse.ArgumentParser) -> None:
     add_run_arguments(parser, out="out/fidelity")
+    parser.add_argument("--calibrate", action="store_true",
+                        help="measure the profile now, before the live replay")  # fmt: skip
+    parser.add_argument("--calibrate-samples", type=int, default=30)
+    parser.add_argument("--sim-seeds", type=int, default=10)
 
 
 def run_fidelity(args: argparse.Namespace) -> int:
     try:
+        if args.calibrate and args.profile:
+            raise ValueError("--calibrate measures a profile: give it or --profile, not both")
+        if not 1 <= args.sim_seeds <= 1000:
+            raise ValueError("--sim-seeds must be between 1 and 1000")
+        if not 5 <= args.calibrate_samples <= 1000:
+            raise ValueError("--calibrate-samples must be between 5 and 1000")
         episodes, profile = load_run(args)
     except (TraceError, ValueError, OSError) as e:
         print(f"dsec bench fidelity: {e}", file=sys.stderr)
         return 2
-    result = fidelity(
-        episodes, policy=args.policy, nodes=args.nodes, slots_per_node=args.slots_per_node,
-        time_scale=args.time_scale, seed=args.seed, profile=profile,
-        trace_name=str(args.trace), out=args.out,
-    )  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)
+    try:
+        if args.calibrate:
+            profile = calibrate(args.calibrate_samples)
+            profile.save(args.out / "profile.json")
+        spec = default_pool_spec(args.policy, nodes=args.nodes, slots_per_node=args.slots_per_node)
+        result = fidelity(
+            episodes, spec, time_scale=args.time_scale, seed=args.seed, profile=profile,
+            trace_name=str(args.trace), out=args.out, sim_seeds=args.sim_seeds,
+        )  # fmt: skip
+    except (*CALIBRATE_ERRORS, ReplayError) as e:
+        print(f"dsec bench fidelity: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
     (args.out / "fidelity.json").write_text(json.dumps(result, indent=2))
     print(json.dumps(result) if args.json else render(result))
     return 0

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import random
+import statistics
 import time
 
 import pytest
@@ -10,7 +13,9 @@ import pytest
 from bench.generate import generate
 from bench.report import build_report
 from bench.sim import simulate
+from bench.sim.agents import Engine
 from bench.sim.loop import VirtualClock, VirtualTimeLoop
+from bench.sim.profile import OPS, Profile
 from dsec.baselines import POLICIES
 from dsec.models import PoolParams
 
@@ -101,3 +106,84 @@ def test_a_horizon_stops_the_simulation():
     result = simulate(trace, nodes=2, slots_per_node=64, seed=1, horizon_s=100)
     assert result.meta["simulated_s"] == pytest.approx(100, abs=1)
     assert any(r.released_at_s is None for r in result.records)
+
+
+def loaded_profile(lease_s: float, loaded_lease_s: float) -> Profile:
+    """The default profile, with a lease of `lease_s` alone and `loaded_lease_s` while
+    anything else runs on the engine."""
+    profile = Profile.default(n=50)
+    profile.samples["lease"] = [lease_s]
+    return Profile(profile.samples, profile.engine_concurrency, "test",
+                   {"lease": {1: [loaded_lease_s]}})  # fmt: skip
+
+
+def test_a_profile_draws_from_the_highest_measured_load_and_extrapolates_past_it():
+    profile = Profile({op: [1.0] for op in OPS}, under_load={"create": {1: [2.0], 3: [4.0]}})
+    rng = random.Random(0)
+    assert profile.contended
+    assert [profile.draw("create", rng, load) for load in (0, 1, 2, 3)] == [1.0, 2.0, 2.0, 4.0]
+    # past the highest measured load, the trend between the two highest goes on: 1 s more
+    # per operation more under way
+    assert profile.draw("create", rng, 7) == pytest.approx(8.0)
+    flat = Profile({op: [1.0] for op in OPS}, under_load={"create": {1: [3.0], 2: [2.0]}})
+    assert flat.draw("create", rng, 9) == 2.0  # a falling trend is noise: no growth
+    assert profile.draw("remove", rng, 5) == 1.0  # not measured under load: as alone
+    assert not Profile.default(n=5).contended
+
+
+def test_a_profile_saves_and_loads_its_samples_under_load(tmp_path):
+    profile = Profile({op: [0.1, 0.2] for op in OPS}, 8, "here", {"lease": {1: [0.3], 4: [0.5]}})
+    profile.save(tmp_path / "p.json")
+    loaded = Profile.load(tmp_path / "p.json")
+    assert loaded.under_load == {"lease": {1: [0.3], 4: [0.5]}}
+    assert (loaded.samples, loaded.engine_concurrency, loaded.source) == (
+        profile.samples, 8, "here")  # fmt: skip
+    data = json.loads((tmp_path / "p.json").read_text())
+    data["under_load"] = {"lease": {"0": [0.1]}}
+    (tmp_path / "bad.json").write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="loads >= 1"):
+        Profile.load(tmp_path / "bad.json")
+    data["under_load"] = {"teleport": {"1": [0.1]}}
+    (tmp_path / "bad.json").write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="unknown operation"):
+        Profile.load(tmp_path / "bad.json")
+
+
+def test_an_engine_counts_its_operations_and_the_execs_under_way():
+    engine = Engine()
+    engine.exec_window(1.0, 2.0)
+    engine.exec_window(1.5, 3.0)
+    engine.running = 1
+    assert [engine.load(t) for t in (0.0, 1.0, 1.6, 2.0, 3.5)] == [1, 2, 3, 2, 1]
+
+
+def test_a_lease_is_as_slow_as_measured_under_the_load_the_engine_carries():
+    """Every acquire takes a warm sandbox and its claim starts a refill, so the lease
+    meets a create under way: it takes the loaded time, unless nothing else runs."""
+    trace = generate(kind="poisson", n=40, rate_per_s=0.05, seed=3, lifetime_p50_s=5,
+                     lifetime_p99_s=10, mean_step_s=5)  # fmt: skip
+    params = PoolParams(min_warm=2)
+    fast, slow = 0.001, 0.050
+    quiet = simulate(trace, nodes=1, slots_per_node=20, seed=1, params=params,
+                     profile=loaded_profile(fast, fast), shared_engine=True)  # fmt: skip
+    loaded = simulate(trace, nodes=1, slots_per_node=20, seed=1, params=params,
+                      profile=loaded_profile(fast, slow), shared_engine=True)  # fmt: skip
+    warm = {
+        name: [r.schedule_ms for r in run.records if r.path == "warm"]
+        for name, run in (("quiet", quiet), ("loaded", loaded))
+    }
+    assert len(warm["quiet"]) >= 30 and len(warm["loaded"]) >= 30
+    assert max(warm["quiet"]) == pytest.approx(fast * 1000)
+    assert statistics.median(warm["loaded"]) == pytest.approx(slow * 1000)
+
+
+def test_a_contended_simulation_is_the_same_for_the_same_seed():
+    profile = Profile.default(n=200, seed=1)
+    profile = Profile(profile.samples, 8, "test", {
+        "lease": {1: [0.004, 0.006], 4: [0.02]},
+        "create": {1: [0.25, 0.3], 3: [0.5]},
+    })  # fmt: skip
+    runs = [simulate(small_trace(), seed=4, nodes=2, slots_per_node=40, profile=profile,
+                     shared_engine=True) for _ in range(2)]  # fmt: skip
+    summary = [[(r.episode, r.schedule_ms, r.path, r.node) for r in run.records] for run in runs]
+    assert summary[0] == summary[1]

@@ -161,7 +161,10 @@ async def _simulate(loop: VirtualTimeLoop, episodes: list[Episode], **o) -> RunR
             else:
                 pending_s += think
                 record.idle_s += think
-            took = work + o["profile"].draw("exec", rng)
+            overhead = o["profile"].draw("exec", rng)
+            started_s = clock.now() + pending_s
+            agents.exec_window(node_id, started_s, started_s + overhead)
+            took = work + overhead
             record.exec_s.append(took)
             record.busy_s += took
             busy[0] += took

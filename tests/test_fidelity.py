@@ -1,0 +1,93 @@
+"""Fidelity and calibration on real Docker: a profile measured here (alone and under
+load), a small trace replayed live and simulated with it; and the commands' refusals."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+from conftest import STARTED_POOLS, make_spec, pool_containers
+
+from bench.calibrate import CONCURRENCY, LOAD_LEVELS, calibrate
+from bench.fidelity import add_fidelity_arguments, fidelity, relative_error, run_fidelity
+from bench.sim.profile import OPS, Profile
+from dsec.models import PoolParams
+from dsec.trace import Episode, Step, dump_trace
+
+
+def fidelity_args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_fidelity_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def small_trace(n: int = 10) -> list[Episode]:
+    """`n` episodes over about 3 s, two short steps each."""
+    step = Step(think_s=0.3, exec_s=0.2)
+    return [Episode(episode=f"e{i}", arrival_s=i * 0.3, steps=[step, step]) for i in range(n)]
+
+
+def test_relative_error_is_the_distance_from_live_over_live():
+    assert relative_error(11.0, 10.0) == pytest.approx(0.1)
+    assert relative_error(9.0, 10.0) == pytest.approx(0.1)
+    assert relative_error(1.0, None) is None and relative_error(None, 1.0) is None
+    assert relative_error(1.0, 0.0) is None  # no scale to be relative to
+
+
+@pytest.mark.parametrize(
+    ("extra", "says"),
+    [
+        (["--calibrate", "--profile", "p.json"], "not both"),
+        (["--sim-seeds", "0"], "--sim-seeds"),
+        (["--calibrate", "--calibrate-samples", "2"], "--calibrate-samples"),
+        (["--nodes", "0"], "--nodes"),
+    ],
+)
+def test_the_fidelity_command_refuses_bad_flags_in_one_line(tmp_path, capsys, extra, says):
+    trace = tmp_path / "trace.jsonl"
+    dump_trace(small_trace(2), trace)
+    args = fidelity_args("--trace", str(trace), "--out", str(tmp_path / "out"), *extra)
+    assert run_fidelity(args) == 2
+    error = capsys.readouterr().err
+    assert error.startswith("dsec bench fidelity: ") and says in error
+    assert error.count("\n") == 1
+    assert not (tmp_path / "out").exists()  # refused before anything ran
+
+
+def test_calibration_measures_every_operation_alone_and_under_load(docker_client):
+    n = 5
+    profile = calibrate(n)
+    assert set(profile.samples) == set(OPS)
+    for op in OPS:
+        assert len(profile.samples[op]) >= 3 and all(s > 0 for s in profile.samples[op]), op
+    # creates and removes c at a time are measured under c - 1 others
+    for op in ("create", "remove"):
+        assert sorted(profile.under_load[op]) == [c - 1 for c in CONCURRENCY]
+        assert all(len(s) >= n for s in profile.under_load[op].values())
+    assert sorted(profile.under_load["lease"]) == [k for k in LOAD_LEVELS if k]
+    assert all(len(s) == n for s in profile.under_load["lease"].values())
+    # a warm acquire is the lease call: milliseconds, not a create's tenths of a second
+    assert max(profile.samples["lease"]) < min(profile.samples["create"])
+    assert profile.contended and profile.engine_concurrency >= max(CONCURRENCY)
+    assert not [c for c in pool_containers(docker_client, "calibrate-")], "calibrate cleans up"
+
+
+def test_a_small_trace_replayed_live_and_simulated_gives_both_figures(docker_client, tmp_path):
+    spec = make_spec(tmp_path, nodes=2, pool=PoolParams(min_warm=2))
+    STARTED_POOLS.add(spec.name)
+    profile = Profile.default(n=200)
+    result = fidelity(small_trace(), spec, time_scale=1.0, seed=1, profile=profile,
+                      trace_name="small", out=tmp_path / "out", sim_seeds=3)  # fmt: skip
+    assert not pool_containers(docker_client, spec.name + "-"), "the live pool is gone"
+    for side in ("live", "sim"):
+        figures = result[side]
+        assert 0 < figures["p50_ms"] <= figures["p95_ms"], side
+        assert 0 < figures["utilisation"] < 1, side
+    for name, error in result["relative_error"].items():
+        assert error == relative_error(result["sim"][name], result["live"][name]), name
+    # the simulator's figure is the median of its seeds, inside their spread
+    for name, (low, high) in result["sim_spread"].items():
+        assert low <= result["sim"][name] <= high, name
+    assert result["sim_seeds"] == 3 and result["policy"] == spec.policy
+    for side in ("live", "sim"):
+        assert (tmp_path / "out" / side / "report.json").exists()
