@@ -8,7 +8,7 @@ Each baseline runs at its best reasonable configuration for the trace and the cl
 (`--static-size` to change it), the smallest fixed pool that never makes a request wait
 for capacity; the autoscalers' max is the cluster's capacity, so no max binds before
 the nodes are full. dsec runs with the pool defaults, and once more per `--dsec`
-variant (for instance `lean:min_warm=5,warm_fraction=0,refill_concurrency=4`).
+variant (for instance `lean8:min_warm=8,warm_fraction=0,refill_concurrency=4`).
 
 Writes a report per run and a comparison (table, JSON, overlaid latency CDFs), then
 says for each baseline which dsec runs match its p99 schedule latency at no more
