@@ -106,8 +106,11 @@ class Scheduler:
 
     async def run_forever(self) -> None:
         while True:
+            # asyncio.timeout, not wait_for: on 3.11 wait_for drops a cancel that lands
+            # just as the event is set, and the loop would never stop
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.wakeup.wait(), self.config.tick_s)
+                async with asyncio.timeout(self.config.tick_s):
+                    await self.wakeup.wait()
             self.wakeup.clear()
             try:
                 self.tick()

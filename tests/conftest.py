@@ -95,6 +95,13 @@ async def client(pool: LocalPool) -> AsyncIterator[Client]:
         yield c
 
 
+@pytest_asyncio.fixture(loop_scope="module")
+async def operator(pool: LocalPool) -> AsyncIterator[Client]:
+    """Sees every sandbox, warm ones included: a client sees only its own leases."""
+    async with Client(pool.url, token=pool.tokens.admin) as c:
+        yield c
+
+
 @dataclass
 class ExtraAgent:
     """An agent process started beside a pool's own: it joins the pool, and may leave."""

@@ -142,10 +142,10 @@ async def test_exec_bad_input_and_released_sandbox(pool, client, docker_client):
     assert_error(got, body, 404, "unknown_sandbox")
 
 
-async def test_bad_input_leaves_no_container_behind(pool, client, docker_client, acquire_url):
+async def test_bad_input_leaves_no_container_behind(pool, operator, docker_client, acquire_url):
     async def settled_containers() -> set[str]:
         for _ in range(200):  # wait out warm-pool refills from earlier tests
-            if not any(s.state == "creating" for s in await client.list()):
+            if not any(s.state == "creating" for s in await operator.list()):
                 break
             await asyncio.sleep(0.05)
         return {

@@ -51,13 +51,6 @@ async def client(pool: LocalPool) -> AsyncIterator[Client]:
         yield c
 
 
-@pytest_asyncio.fixture(loop_scope="module")
-async def operator(pool: LocalPool) -> AsyncIterator[Client]:
-    # sees every sandbox, warm ones included (a client sees its own leases only)
-    async with Client(pool.url, token=pool.tokens.admin) as c:
-        yield c
-
-
 async def states(client: Client) -> dict[str, str]:
     return {s.id: s.state for s in await client.list()}
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-import pytest_asyncio
 from conftest import eventually, make_spec, started_pool
 
 from agent.docker_driver import LABEL_NODE, LABEL_POOL, LABEL_SANDBOX
@@ -19,20 +18,17 @@ pytestmark = pytest.mark.asyncio(loop_scope="module")
 def containers_of_pool(docker_client, pool, name: str) -> list:
     return [
         c
-        for c in docker_client.containers.list(all=True, filters={"label": f"{LABEL_POOL}={name}"})
-        if c.labels[LABEL_NODE].startswith(pool.spec.name + "-")
+        for c in docker_client.containers.list(
+            all=True, sparse=True, filters={"label": f"{LABEL_POOL}={name}"}
+        )
+        # sparse (no inspect per container, which races with removals): labels from the list
+        if c.attrs["Labels"][LABEL_NODE].startswith(pool.spec.name + "-")
     ]
 
 
 async def states(client: Client, pool_name: str) -> dict[str, int]:
     info = next(p for p in (await client.pools()).pools if p.name == pool_name)
     return info.sandboxes
-
-
-@pytest_asyncio.fixture(loop_scope="module")
-async def operator(pool):
-    async with Client(pool.url, token=pool.tokens.admin) as c:
-        yield c
 
 
 async def test_a_burst_of_acquires_grows_the_pool(pool, client, operator, docker_client):

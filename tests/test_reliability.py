@@ -91,7 +91,11 @@ class PrivateEngine:
         (self.data_root / "filler").unlink(missing_ok=True)
 
     def containers(self, node_id: str) -> list:
-        return self.client().containers.list(all=True, filters={"label": f"{LABEL_NODE}={node_id}"})
+        # sparse: no inspect per container, which races with removals under way
+        found = self.client().containers.list(
+            all=True, sparse=True, filters={"label": f"{LABEL_NODE}={node_id}"}
+        )
+        return found
 
 
 @pytest.fixture(scope="module")
@@ -150,18 +154,6 @@ async def private_node(pool: LocalPool, engine: PrivateEngine) -> AsyncIterator[
     finally:
         await agent.stop()
         assert not engine.containers(agent.node_id), "the agent left containers behind"
-
-
-@pytest_asyncio.fixture(loop_scope="module")
-async def client(pool: LocalPool) -> AsyncIterator[Client]:
-    async with Client(pool.url, token=pool.tokens.client) as c:
-        yield c
-
-
-@pytest_asyncio.fixture(loop_scope="module")
-async def operator(pool: LocalPool) -> AsyncIterator[Client]:
-    async with Client(pool.url, token=pool.tokens.admin) as c:
-        yield c
 
 
 async def node_info(operator: Client, node_id: str) -> NodeInfo | None:
