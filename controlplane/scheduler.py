@@ -215,6 +215,8 @@ class Scheduler:
         return task
 
     def _account_alive(self, now: float) -> None:
+        """Sandbox-seconds up to now. Called before every change of what occupies a node
+        (ticks, outcomes, reports), so a sandbox gone between ticks is counted to the end."""
         elapsed = now - self.alive_accounted_at
         self.alive_accounted_at = now
         for (pool, kind), n in self.view.occupying.items():
@@ -265,6 +267,7 @@ class Scheduler:
 
     def _on_created(self, entry: SandboxEntry, result: CallResult) -> None:
         now = self.clock.now()
+        self._account_alive(now)
         entry.op_in_flight = False
         if result.ok:
             self.view.move(entry, SandboxState.WARM, now)
@@ -388,6 +391,7 @@ class Scheduler:
         return self._spawn(entry, run())
 
     def _on_destroyed(self, entry: SandboxEntry, result: CallResult) -> None:
+        self._account_alive(self.clock.now())
         entry.op_in_flight = False
         final_busy_s = (result.body or {}).get("busy_s")
         if final_busy_s is not None and final_busy_s > entry.busy_s:
@@ -431,6 +435,7 @@ class Scheduler:
             result = await self._call_node(entry.node, "POST", url, request_id=entry.id)
             entry.op_in_flight = False
             now = self.clock.now()
+            self._account_alive(now)
             if result.ok:
                 self.view.move(entry, new_state, now)
                 entry.confirmed_at = now
@@ -675,7 +680,9 @@ class Scheduler:
         return entry
 
     def on_report(self, report: NodeReport) -> None:
-        changes = self.view.apply_report(report, self.clock.now())
+        now = self.clock.now()
+        self._account_alive(now)
+        changes = self.view.apply_report(report, now)
         for pool, seconds in changes.busy_s.items():
             self.metrics.busy_seconds.labels(pool).inc(seconds)
         for entry in changes.added:
