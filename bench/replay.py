@@ -20,6 +20,8 @@ import tempfile
 from pathlib import Path
 from typing import get_args
 
+from bench.generate import summarize
+from bench.policies import policy_params
 from bench.records import RunResult
 from bench.report import (
     COMPARE_MARKDOWN_FILE,
@@ -29,6 +31,7 @@ from bench.report import (
     write_report,
 )
 from controlplane.config import ControlPlaneConfig
+from dsec.models import PoolParams
 from dsec.trace import Episode, TraceError, load_trace
 
 POLICIES: tuple[str, ...] = get_args(ControlPlaneConfig.model_fields["policy"].annotation)
@@ -95,7 +98,15 @@ async def _replay_live(episodes: list[Episode], args: argparse.Namespace) -> Run
             cloud_nodes=args.cloud_nodes,
             state_dir=Path(state_dir),
         )
+        spec.pool = _pool_params(episodes, args)
         return await replay_live(episodes, pool_spec=spec, **common)
+
+
+def _pool_params(episodes: list[Episode], args: argparse.Namespace) -> PoolParams:
+    """Each policy at its best reasonable configuration for this trace and cluster (a
+    static pool sized at the trace's peak, autoscalers bounded by the cluster)."""
+    peak = int(summarize(episodes)["peak_concurrency"])
+    return policy_params(args.policy, peak=peak, capacity=args.nodes * args.slots_per_node)
 
 
 def run_replay(args: argparse.Namespace) -> int:
@@ -121,17 +132,8 @@ def run_replay(args: argparse.Namespace) -> int:
             print(f"dsec bench replay: {error}", file=sys.stderr)
             return 1
     else:
-        try:
-            from bench.sim import simulate
-        except ModuleNotFoundError as error:
-            if error.name != "bench.sim":
-                raise
-            print(
-                "dsec bench replay: --mode sim needs the simulator (bench.sim), "
-                "which this installation does not have",
-                file=sys.stderr,
-            )
-            return 2
+        from bench.sim import simulate
+
         result = simulate(
             episodes,
             policy=args.policy,
@@ -140,6 +142,7 @@ def run_replay(args: argparse.Namespace) -> int:
             cloud_nodes=args.cloud_nodes,
             seed=args.seed,
             time_scale=args.time_scale,
+            params=_pool_params(episodes, args),
             progress=not args.json,
         )
         result.meta["trace"] = args.trace  # the simulator is given episodes, not their file

@@ -7,7 +7,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import sys
 
 import pytest
 from conftest import STARTED_POOLS, make_spec
@@ -143,14 +142,6 @@ async def test_the_replay_command_refuses_a_bad_trace_in_one_line(tmp_path, caps
     assert error.startswith(f"dsec bench replay: {trace} line 1: ") and error.count("\n") == 1
 
 
-async def test_the_replay_command_says_when_the_simulator_is_missing(tmp_path, capsys, monkeypatch):
-    trace = tmp_path / "trace.jsonl"
-    dump_trace(small_trace(n=1), trace)
-    monkeypatch.setitem(sys.modules, "bench.sim", None)  # makes `import bench.sim` fail
-    assert run_replay(replay_args("--trace", str(trace), "--mode", "sim")) == 2
-    assert "needs the simulator (bench.sim)" in capsys.readouterr().err
-
-
 async def test_metric_totals_sum_over_pools_and_subtract():
     def exposition(node_seconds: float, busy: float, creates: float) -> str:
         return (
@@ -207,3 +198,4 @@ async def test_a_timeline_sample_sums_pools_and_counts_leased_and_alive():
     }
     assert sample.leased == 5  # leased, and leased but paused while its agent thinks
     assert sample.alive == 10  # all but hibernated, which hold files, not a slot
+

@@ -8,8 +8,9 @@ import json
 
 import pytest
 
+from bench.generate import generate, summarize
 from bench.records import EpisodeRecord, RunResult, TimelineSample
-from bench.replay import add_compare_arguments, run_compare
+from bench.replay import add_compare_arguments, add_replay_arguments, run_compare, run_replay
 from bench.report import (
     build_report,
     compare_reports,
@@ -17,6 +18,7 @@ from bench.report import (
     load_report,
     write_report,
 )
+from dsec.trace import dump_trace
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 REPORT_FIELDS = {
@@ -255,3 +257,19 @@ def test_the_compare_command_refuses_a_directory_without_a_report(tmp_path, caps
     assert (
         error.startswith("dsec bench compare: cannot read the reports") and error.count("\n") == 1
     )
+
+
+def test_the_replay_command_runs_each_baseline_at_its_best_configuration(tmp_path, capsys):
+    # a static pool sized at the trace's peak, autoscalers bounded by the cluster's slots
+    trace = tmp_path / "trace.jsonl"
+    episodes = generate("poisson", duration_s=60, rate_per_s=0.5, seed=3)
+    dump_trace(episodes, trace)
+    peak = int(summarize(episodes)["peak_concurrency"])
+    parser = argparse.ArgumentParser()
+    add_replay_arguments(parser)
+    for policy, field, expected in (("static", "min_warm", peak), ("keda", "max_warm", 2 * 7)):
+        argv = ["--trace", str(trace), "--mode", "sim", "--policy", policy, "--json"]
+        argv += ["--nodes", "2", "--slots-per-node", "7", "--out", str(tmp_path / policy)]
+        assert run_replay(parser.parse_args(argv)) == 0
+        report = json.loads(capsys.readouterr().out)
+        assert report["params"][field] == expected, (policy, report["params"])
