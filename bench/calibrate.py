@@ -1,6 +1,6 @@
 """Measure this machine's Docker and agent timings into a simulator profile.
 
-    dsec bench calibrate [--samples 30] [--out profile.json]
+    dsec bench calibrate [--samples 30] [--nodes 3] [--out profile.json]
 
 Docker operations are timed through the agent's own driver (the same hardened
 create, the same remove, pause, unpause, commit); exec and lease through a live
@@ -9,17 +9,22 @@ time, which is the lease call). Restore is a create plus unpacking a work dir.
 
 The machine's cores are shared by everything its engine runs, so durations depend on
 load. Creates and removes are also timed CONCURRENCY at a time, and warm acquires
-while LOAD_LEVELS background loops keep the engine busy (each loop: a create, an exec
-in a leased sandbox, a remove, over and over: one engine operation always under way
-per loop). Acquires at load 0 take sandboxes from a warm pool that does not refill,
-so that not even their own refill runs meanwhile. Levels are measured in turns, a few
-acquires each, so that a change in the machine's other load touches all of them.
+while LOAD_LEVELS background loops keep the pool busy as a replay does (each loop: a
+cold acquire, which an agent creates, an exec, a release, which it removes, over and
+over: one engine operation always under way per loop). Acquires at load 0 take
+sandboxes from a warm pool that does not refill, so that not even their own refill
+runs meanwhile. Levels are measured in turns, a few acquires each, so that a change
+in the machine's other load touches all of them. The pool has as many nodes as a
+replay's (`--nodes`). An exec start's weight as load, against a create's, is the
+slowdown of cold acquires beside EXEC_LOOPS loops of execs over that of creates beside
+as many creates.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import statistics
 import sys
 import tempfile
 import threading
@@ -34,6 +39,7 @@ import requests
 
 from agent.docker_driver import LABEL_NODE, DockerDriver
 from bench.live_latency import _wait_warm
+from bench.replay_live import DEFAULT_NODES
 from bench.sim.profile import OPS, Profile
 from dsec.client import Client, DsecError, Sandbox
 from dsec.image import BASE_IMAGE, ensure_base_image
@@ -43,6 +49,10 @@ from dsec.models import Capacity, PoolParams, TemplateSpec
 CONCURRENCY = (2, 4, 8)  # creates and removes timed this many at a time, besides one at a time
 LOAD_LEVELS = (0, 1, 2, 4)  # background loops while warm acquires are timed
 BATCH = 10  # warm sandboxes per turn of acquires
+# a warm acquire's tail is the schedule latency's: leases get this many times the samples
+LEASE_SAMPLES_FACTOR = 3
+EXEC_LOOPS = 2  # exec loops beside the cold acquires that weigh an exec against a create
+COLD_TURN = 5  # cold acquires per turn, alone or beside the exec loops
 # a node runs as many Docker operations at once as its agent has lifecycle threads
 # (agent.docker_driver.AsyncDocker); the measured loads say how much slower each gets
 AGENT_LIFECYCLE_THREADS = 8
@@ -160,26 +170,26 @@ def docker_samples(engine: Engine, n: int) -> tuple[Samples, LoadedSamples]:
 
 
 class LoadLoops:
-    """`k` background loops keeping the engine busy: create, exec `true` in one of the
-    held sandboxes, remove; one engine operation under way per loop at any time."""
+    """`k` background loops keeping the pool's agents and engine busy as a replay does:
+    acquire a sandbox cold (the agent creates it), exec `true` in it, release it (the
+    agent removes it); one engine operation under way per loop at any time. Through
+    the agents, not beside them: their Docker calls share the agent's process (and its
+    interpreter lock) with the lease calls being timed."""
 
-    def __init__(self, engine: Engine, held: list[Sandbox]) -> None:
-        self.engine = engine
-        self.held = held
+    def __init__(self, client: Client, pool: str) -> None:
+        self.client = client
+        self.pool = pool
         self.stopping = asyncio.Event()
         self.tasks: list[asyncio.Task] = []
 
-    async def _loop(self, sandbox: Sandbox) -> None:
+    async def _loop(self) -> None:
         while not self.stopping.is_set():
-            cid = await asyncio.to_thread(self.engine.create)
-            try:
+            async with self.client.sandbox(pool=self.pool) as sandbox:
                 await sandbox.exec(["true"])
-            finally:
-                await asyncio.to_thread(self.engine.driver.remove, cid)
 
     def start(self, k: int) -> None:
         self.stopping.clear()
-        self.tasks = [asyncio.create_task(self._loop(sb)) for sb in self.held[:k]]
+        self.tasks = [asyncio.create_task(self._loop()) for _ in range(k)]
 
     async def stop(self) -> None:
         self.stopping.set()
@@ -187,9 +197,9 @@ class LoadLoops:
         self.tasks = []
 
 
-async def pool_samples(engine: Engine, n: int) -> tuple[Samples, LoadedSamples]:
+async def pool_samples(n: int, nodes: int) -> tuple[Samples, LoadedSamples, LoadedSamples]:
     spec = LocalPoolSpec(
-        name=f"calibrate-{uuid.uuid4().hex[:6]}", nodes=1, port=0,
+        name=f"calibrate-{uuid.uuid4().hex[:6]}", nodes=nodes, port=0,
         capacity=Capacity(cpus=64, memory_mb=65536, slots=64),
         pool=PoolParams(min_warm=0, templates=[]), state_dir=Path(tempfile.mkdtemp()),
     )  # fmt: skip
@@ -197,31 +207,68 @@ async def pool_samples(engine: Engine, n: int) -> tuple[Samples, LoadedSamples]:
     await pool.start()
     samples: Samples = {"exec": []}
     by_level: dict[int, list[float]] = {k: [] for k in LOAD_LEVELS}
-    top = max(LOAD_LEVELS)
     try:
         async with (
             Client(pool.url, token=pool.tokens.admin) as operator,
-            Client(pool.url, token=pool.tokens.client, connection_limit=top + BATCH + 8) as client,
+            Client(pool.url, token=pool.tokens.client) as client,
         ):
-            # sandboxes for the background loops' execs, held throughout
-            await operator.set_pool("load", PoolParams(min_warm=top, templates=["base"]))
-            await _wait_warm(client, "load", top)
-            held = [await client.acquire(pool="load") for _ in range(top)]
+            # no warm sandboxes: every acquire there is a create on an agent
             await operator.set_pool("load", PoolParams(min_warm=0, max_warm=0, templates=[]))
             async with client.sandbox(pool="load") as sb:
                 for _ in range(n):
                     started = time.perf_counter()
                     await sb.exec(["true"])
                     samples["exec"].append(time.perf_counter() - started)
-            loops = LoadLoops(engine, held)
-            while min(len(s) for s in by_level.values()) < n:
+            loops = LoadLoops(client, "load")
+            leases = n * LEASE_SAMPLES_FACTOR
+            while min(len(s) for s in by_level.values()) < leases:
                 for k in LOAD_LEVELS:
                     by_level[k] += await _acquire_turn(operator, client, loops, k)
-            await asyncio.gather(*(sb.release() for sb in held))
+            cold = await _cold_beside_execs(client, n)
     finally:
         await pool.stop()
-    samples["lease"] = by_level[0][:n]
-    return samples, {"lease": {k: by_level[k][:n] for k in LOAD_LEVELS if k}}
+    samples["lease"] = by_level[0][:leases]
+    return samples, {"lease": {k: by_level[k][:leases] for k in LOAD_LEVELS if k}}, cold
+
+
+async def _cold_beside_execs(client: Client, n: int) -> dict[int, list[float]]:
+    """Cold acquires (an agent's create, then the lease) one at a time, alone and beside
+    EXEC_LOOPS loops of `true` execs in held sandboxes, in turns: schedule times by
+    the number of exec loops."""
+    cold: dict[int, list[float]] = {0: [], EXEC_LOOPS: []}
+    stopping = asyncio.Event()
+
+    async def exec_loop(sandbox: Sandbox) -> None:
+        while not stopping.is_set():
+            await sandbox.exec(["true"])
+
+    held = [await client.acquire(pool="load") for _ in range(EXEC_LOOPS)]
+    try:
+        while min(len(s) for s in cold.values()) < n:
+            for k in cold:
+                stopping.clear()
+                loops = [asyncio.create_task(exec_loop(sb)) for sb in held[:k]]
+                try:
+                    for _ in range(COLD_TURN):
+                        async with client.sandbox(pool="load") as sb:
+                            cold[k].append(sb.lease.schedule_ms / 1000)
+                finally:
+                    stopping.set()
+                    await asyncio.gather(*loops)
+    finally:
+        await asyncio.gather(*(sb.release() for sb in held))
+    return cold
+
+
+def exec_weight(create_slowdown: Callable[[float], float], cold: dict[int, list[float]]) -> float:
+    """How many creates' worth of load one exec start is: the slowdown of a cold acquire
+    (mostly its create) beside EXEC_LOOPS exec loops, against the slowdown of a create
+    beside as many creates."""
+    beside_execs = statistics.median(cold[EXEC_LOOPS]) / statistics.median(cold[0]) - 1
+    beside_creates = create_slowdown(EXEC_LOOPS) - 1
+    if beside_creates <= 0:
+        return 1.0  # creates did not slow each other: nothing to weigh against
+    return max(0.0, beside_execs / beside_creates)
 
 
 async def _acquire_turn(operator: Client, client: Client, loops: LoadLoops, k: int) -> list[float]:
@@ -243,26 +290,34 @@ async def _acquire_turn(operator: Client, client: Client, loops: LoadLoops, k: i
     return [sb.lease.schedule_ms / 1000 for sb in got if sb.lease.path == "warm"]
 
 
-def calibrate(n: int) -> Profile:
-    """Raises one of CALIBRATE_ERRORS if Docker or the pool fails; leaves no container."""
+def calibrate(n: int, nodes: int = DEFAULT_NODES) -> Profile:
+    """`n` samples per operation and load; the lease calls on a pool of `nodes` nodes.
+    Raises one of CALIBRATE_ERRORS if Docker or the pool fails; leaves no container."""
     engine = Engine()
     try:
         samples, under_load = docker_samples(engine, n)
-        pooled, pooled_loaded = asyncio.run(pool_samples(engine, n))
     finally:
         engine.sweep()
+    pooled, pooled_loaded, cold = asyncio.run(pool_samples(n, nodes))
     samples.update(pooled)
     under_load.update(pooled_loaded)
     # a restore is a create plus unpacking the work dir through an exec
     samples["restore"] = [c + e for c, e in zip(samples["create"], samples["exec"], strict=False)]
     assert set(samples) == set(OPS)
-    return Profile(samples, engine_concurrency=AGENT_LIFECYCLE_THREADS,
-                   source=f"calibrated here, {n} samples per operation and load",
-                   under_load=under_load)  # fmt: skip
+    profile = Profile(samples, engine_concurrency=AGENT_LIFECYCLE_THREADS,
+                      under_load=under_load)  # fmt: skip
+    profile.exec_weight = round(exec_weight(lambda k: profile.slowdown("create", k), cold), 3)
+    profile.source = (
+        f"calibrated here, {n} samples per operation and load; cold acquire median "
+        f"{statistics.median(cold[0]) * 1000:.0f} ms alone, "
+        f"{statistics.median(cold[EXEC_LOOPS]) * 1000:.0f} ms beside {EXEC_LOOPS} exec loops"
+    )
+    return profile
 
 
 def add_calibrate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--samples", type=int, default=30)
+    parser.add_argument("--nodes", type=int, default=DEFAULT_NODES)
     parser.add_argument("--out", type=Path, default=Path("profile.json"))
 
 
@@ -271,18 +326,20 @@ def describe(profile: Profile) -> str:
         s = sorted(s)
         return f"median {s[len(s) // 2] * 1000:8.1f} ms   max {s[-1] * 1000:8.1f} ms"
 
-    lines = [f"{op:8} {med_max(profile.samples[op])}" for op in OPS]
+    lines = [profile.source, f"exec weight {profile.exec_weight} (creates' worth of load)"]
+    lines += [f"{op:8} {med_max(profile.samples[op])}" for op in OPS]
     for op, by_k in profile.under_load.items():
         lines += [f"{op:8} {med_max(s)}   with {k} others" for k, s in sorted(by_k.items())]
     return "\n".join(lines)
 
 
 def run_calibrate(args: argparse.Namespace) -> int:
-    if not 5 <= args.samples <= 1000:
-        print("dsec bench calibrate: --samples must be between 5 and 1000", file=sys.stderr)
+    if not 5 <= args.samples <= 1000 or not 1 <= args.nodes <= 64:
+        print("dsec bench calibrate: --samples must be between 5 and 1000, --nodes between "
+              "1 and 64", file=sys.stderr)  # fmt: skip
         return 2
     try:
-        profile = calibrate(args.samples)
+        profile = calibrate(args.samples, args.nodes)
     except CALIBRATE_ERRORS as e:
         print(f"dsec bench calibrate: {type(e).__name__}: {e}", file=sys.stderr)
         return 1

@@ -131,7 +131,7 @@ def run_fidelity(args: argparse.Namespace) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     try:
         if args.calibrate:
-            profile = calibrate(args.calibrate_samples)
+            profile = calibrate(args.calibrate_samples, args.nodes)
             profile.save(args.out / "profile.json")
         spec = default_pool_spec(args.policy, nodes=args.nodes, slots_per_node=args.slots_per_node)
         result = fidelity(

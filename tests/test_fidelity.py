@@ -8,7 +8,7 @@ import argparse
 import pytest
 from conftest import STARTED_POOLS, make_spec, pool_containers
 
-from bench.calibrate import CONCURRENCY, LOAD_LEVELS, calibrate
+from bench.calibrate import CONCURRENCY, LEASE_SAMPLES_FACTOR, LOAD_LEVELS, calibrate
 from bench.fidelity import add_fidelity_arguments, fidelity, relative_error, run_fidelity
 from bench.sim.profile import OPS, Profile
 from dsec.models import PoolParams
@@ -65,7 +65,10 @@ def test_calibration_measures_every_operation_alone_and_under_load(docker_client
         assert sorted(profile.under_load[op]) == [c - 1 for c in CONCURRENCY]
         assert all(len(s) >= n for s in profile.under_load[op].values())
     assert sorted(profile.under_load["lease"]) == [k for k in LOAD_LEVELS if k]
-    assert all(len(s) == n for s in profile.under_load["lease"].values())
+    leases = n * LEASE_SAMPLES_FACTOR
+    assert len(profile.samples["lease"]) == leases
+    assert all(len(s) == leases for s in profile.under_load["lease"].values())
+    assert profile.exec_weight >= 0
     # a warm acquire is the lease call: milliseconds, not a create's tenths of a second
     assert max(profile.samples["lease"]) < min(profile.samples["create"])
     assert profile.contended and profile.engine_concurrency >= max(CONCURRENCY)

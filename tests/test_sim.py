@@ -117,17 +117,17 @@ def loaded_profile(lease_s: float, loaded_lease_s: float) -> Profile:
                    {"lease": {1: [loaded_lease_s]}})  # fmt: skip
 
 
-def test_a_profile_draws_from_the_highest_measured_load_and_extrapolates_past_it():
+def test_a_profile_draws_from_the_highest_measured_load_and_slows_down_as_measured():
     profile = Profile({op: [1.0] for op in OPS}, under_load={"create": {1: [2.0], 3: [4.0]}})
     rng = random.Random(0)
     assert profile.contended
-    assert [profile.draw("create", rng, load) for load in (0, 1, 2, 3)] == [1.0, 2.0, 2.0, 4.0]
-    # past the highest measured load, the trend between the two highest goes on: 1 s more
-    # per operation more under way
-    assert profile.draw("create", rng, 7) == pytest.approx(8.0)
-    flat = Profile({op: [1.0] for op in OPS}, under_load={"create": {1: [3.0], 2: [2.0]}})
-    assert flat.draw("create", rng, 9) == 2.0  # a falling trend is noise: no growth
-    assert profile.draw("remove", rng, 5) == 1.0  # not measured under load: as alone
+    assert [profile.draw("create", rng, load) for load in (0, 1, 2, 3, 7)] == [1, 2, 2, 4, 4]
+    # the medians' ratio, interpolated; past the highest load the trend goes on
+    slowdowns = [profile.slowdown("create", load) for load in (0, 0.5, 1, 2, 3, 7)]
+    assert slowdowns == pytest.approx([1, 1.5, 2, 3, 4, 8])
+    assert profile.slowdown("remove", 5) == 1.0  # not measured under load: as alone
+    falling = Profile({op: [1.0] for op in OPS}, under_load={"create": {1: [3.0], 2: [2.0]}})
+    assert falling.slowdown("create", 9) == 2.0  # a falling trend is noise: no growth
     assert not Profile.default(n=5).contended
 
 
@@ -150,11 +150,39 @@ def test_a_profile_saves_and_loads_its_samples_under_load(tmp_path):
 
 
 def test_an_engine_counts_its_operations_and_the_execs_under_way():
-    engine = Engine()
+    engine = Engine(Profile.default(n=5))
     engine.exec_window(1.0, 2.0)
     engine.exec_window(1.5, 3.0)
     engine.running = 1
     assert [engine.load(t) for t in (0.0, 1.0, 1.6, 2.0, 3.5)] == [1, 2, 3, 2, 1]
+
+
+def test_an_engine_shares_its_cores_as_the_load_changes():
+    """Creates take 1 s alone and 2 s with one other under way (twice as slow): one
+    started alone at 0 goes at full speed until a second starts at 0.5 s, then at half
+    speed; the second finishes its first half second of work with the first."""
+    profile = Profile({op: [1.0] for op in OPS}, under_load={"create": {1: [2.0]}})
+    loop = VirtualTimeLoop()
+    engine = Engine(profile)
+    rng = random.Random(0)
+    ended: dict[str, float] = {}
+
+    async def create(name: str, at: float) -> None:
+        await asyncio.sleep(at)
+        await engine.run("create", rng)
+        ended[name] = loop.time()
+
+    async def main() -> None:
+        await asyncio.gather(create("first", 0.0), create("second", 0.5))
+
+    try:
+        loop.run_until_complete(main())
+    finally:
+        loop.close()
+    # first: 0.5 s of work alone, the other 0.5 s at half speed: ends at 1.5 s; second
+    # drew a 2 s duration under load 1 (1 s of work): 0.5 s done by 1.5 s, the rest alone
+    assert ended == pytest.approx({"first": 1.5, "second": 2.0})
+    assert engine.running == 0 and not engine.jobs
 
 
 def test_a_lease_is_as_slow_as_measured_under_the_load_the_engine_carries():

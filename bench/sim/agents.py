@@ -36,30 +36,128 @@ class SimSandbox:
     needs: Resources
 
 
-class Engine:
-    """One machine's Docker engine: a count of all it runs now."""
+class Job:
+    """Something under way on an engine: work left in seconds alone, done at what speed."""
 
-    def __init__(self) -> None:
-        self.running = 0  # operations under way (not queued)
+    __slots__ = ("op", "counts", "left", "speed", "done")
+
+    def __init__(self, op: str, counts: bool, left: float, done: asyncio.Future) -> None:
+        self.op, self.counts, self.left, self.done = op, counts, left, done
+        self.speed = 1.0
+
+
+class Engine:
+    """One machine's Docker engine, its cores shared out among what it runs.
+
+    Jobs (operations, and lease calls, which do not count as engine load) go at the
+    speed the profile measured for the load of the moment; exec starts are load too,
+    as windows of time given in advance. Whenever the load changes, every job's work
+    left is brought up to date and its speed set anew: processor sharing, with the
+    measured slowdowns."""
+
+    def __init__(self, profile: Profile) -> None:
+        self.profile = profile
+        self.running = 0  # jobs that count as load
+        self.jobs: set[Job] = set()
         # exec starts, as two heaps of times: those started minus those ended is what runs
         self._exec_starts: list[float] = []
         self._exec_ends: list[float] = []
         self._execs = 0
+        self._last = 0.0  # when the jobs' work left was last brought up to date
+        self._wakeup: asyncio.TimerHandle | None = None
 
     def exec_window(self, start_s: float, end_s: float) -> None:
         """An exec's engine work, from `start_s` (now or later) to `end_s`."""
         heapq.heappush(self._exec_starts, start_s)
         heapq.heappush(self._exec_ends, end_s)
+        if self.jobs:
+            self._schedule(asyncio.get_running_loop())
 
-    def load(self, now: float) -> int:
-        """How many operations and exec starts run at `now` (which never goes back)."""
+    def load(self, now: float) -> float:
+        """How many operations run at `now` (which never goes back), exec starts counted
+        at the profile's weight."""
+        self._catch_up(now)
+        return self.running + self.profile.exec_weight * self._execs
+
+    async def run(self, op: str, rng: random.Random, counts: bool = True) -> None:
+        """Do `op`: its measured duration under the load at its start, stretched or
+        shrunk as the load changes while it runs."""
+        loop = asyncio.get_running_loop()
+        load = self.load(loop.time())
+        took = self.profile.draw(op, rng, load)
+        left = took / self.profile.slowdown(op, self.profile.measured_load(op, load))
+        job = Job(op, counts, left, loop.create_future())
+        self.jobs.add(job)
+        self.running += counts
+        self._schedule(loop)
+        try:
+            await job.done
+        finally:
+            if job in self.jobs:  # cancelled: it stops taking its share
+                self._leave(job)
+                self._schedule(loop)
+
+    def _leave(self, job: Job) -> None:
+        self.jobs.discard(job)
+        self.running -= job.counts
+
+    def _catch_up(self, now: float) -> None:
+        """Bring every job's work left up to `now`, exec window by exec window."""
+        while True:
+            starts, ends = self._exec_starts, self._exec_ends
+            edge = min(starts[0] if starts else now, ends[0] if ends else now, now)
+            self._advance(edge)
+            if edge == now:
+                break
+            if starts and starts[0] == edge:
+                heapq.heappop(starts)
+                self._execs += 1
+            else:
+                heapq.heappop(ends)
+                self._execs -= 1
+            self._set_speeds()
         while self._exec_starts and self._exec_starts[0] <= now:
             heapq.heappop(self._exec_starts)
             self._execs += 1
         while self._exec_ends and self._exec_ends[0] <= now:
             heapq.heappop(self._exec_ends)
             self._execs -= 1
-        return self.running + self._execs
+
+    def _advance(self, until: float) -> None:
+        elapsed = until - self._last
+        if elapsed > 0:
+            for job in self.jobs:
+                job.left -= elapsed * job.speed
+        self._last = max(self._last, until)
+
+    def _set_speeds(self) -> None:
+        load = self.running + self.profile.exec_weight * self._execs
+        for job in self.jobs:
+            job.speed = 1.0 / self.profile.slowdown(job.op, load - job.counts)
+
+    def _schedule(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Wake at the next job's end or the next change of exec load, whichever first."""
+        now = loop.time()
+        self._catch_up(now)
+        self._set_speeds()
+        if self._wakeup is not None:
+            self._wakeup.cancel()
+            self._wakeup = None
+        if not self.jobs:
+            return
+        at = min(now + max(0.0, job.left) / job.speed for job in self.jobs)
+        for edges in (self._exec_starts, self._exec_ends):
+            if edges:
+                at = min(at, edges[0])
+        self._wakeup = loop.call_at(max(now, at), self._wake, loop)
+
+    def _wake(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._wakeup = None
+        self._catch_up(loop.time())
+        for job in [j for j in self.jobs if j.left <= 1e-9]:
+            self._leave(job)
+            job.done.set_result(None)
+        self._schedule(loop)
 
 
 class SimNode:
@@ -89,10 +187,10 @@ class SimAgents:
 
     def add_node(self, node_id: str, kind: str, capacity: Resources) -> str:
         if self.shared_engine:
-            self._engine = self._engine or Engine()
+            self._engine = self._engine or Engine(self.profile)
             engine = self._engine
         else:
-            engine = Engine()
+            engine = Engine(self.profile)
         self.nodes[node_id] = SimNode(
             node_id, kind, capacity, engine, self.profile.engine_concurrency
         )
@@ -104,20 +202,13 @@ class SimAgents:
     async def close(self) -> None:
         """Nothing to close: the gateway interface."""
 
-    def _load(self, engine: Engine) -> int:
-        if not self.profile.contended:
-            return 0
-        return engine.load(asyncio.get_running_loop().time())
-
-    async def _take(self, op: str, node: SimNode) -> None:
-        """An engine operation, counted as under way while it runs."""
-        engine = node.engine
-        took = self.profile.draw(op, self.rng, self._load(engine))
-        engine.running += 1
-        try:
-            await asyncio.sleep(took)
-        finally:
-            engine.running -= 1
+    async def _take(self, op: str, node: SimNode, counts: bool = True) -> None:
+        """`op` on the node's engine: under load, if the profile says load matters;
+        `counts` says whether it is load for the others."""
+        if self.profile.contended:
+            await node.engine.run(op, self.rng, counts)
+        else:
+            await asyncio.sleep(self.profile.draw(op, self.rng))
 
     async def _engine_op(self, node: SimNode, op: str) -> None:
         async with node.slots:
@@ -170,7 +261,7 @@ class SimAgents:
             await asyncio.sleep(0)
         # not an engine operation: the agent's HTTP call and on-disk record, slowed by
         # what the engine runs meanwhile
-        await asyncio.sleep(self.profile.draw("lease", self.rng, self._load(node.engine)))
+        await self._take("lease", node, counts=False)
         if sb.state == S.PAUSED:
             await self._take("unpause", node)
         elif sb.state == S.HIBERNATED:

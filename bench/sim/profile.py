@@ -8,10 +8,10 @@ default is built from DESIGN.md's figures for a 2-core machine.
 Operations share the machine's cores with whatever else its engine is doing, so a
 calibrated profile also holds samples taken under load: `under_load[op][k]` was
 measured while k other engine operations (creates, removes, execs) ran on the same
-machine. The simulator counts what its engine runs when an operation starts and
-draws from the samples of the highest measured load not above that count; past the
-highest, a duration grows with the load as the medians grew between the two highest
-measured loads (cores shared with a steady background: linear in the load).
+machine. The simulator draws an operation's duration from the samples of the highest
+measured load not above what its engine runs when it starts; while it runs, it goes
+as much faster or slower as the load changes, by the ratio of the measured medians
+(`slowdown`).
 """
 
 from __future__ import annotations
@@ -49,38 +49,51 @@ class Profile:
     source: str = "default"
     # op -> {k: samples measured while k other engine operations ran}; k >= 1
     under_load: dict[str, dict[int, list[float]]] = field(default_factory=dict)
+    # how many operations' worth of load one exec start is (an exec spawns a process in
+    # the container through dockerd, containerd and runc, and streams through its agent)
+    exec_weight: float = 1.0
 
     def __post_init__(self) -> None:
-        self._levels = {op: sorted(by_k) for op, by_k in self.under_load.items()}
-        self._growth = {op: self._growth_past_top(op) for op in self.under_load}
-
-    def _growth_past_top(self, op: str) -> float:
-        """The relative growth of a duration per operation more under way, past the
-        highest measured load: the trend of the medians between the two highest loads
-        (with the load 0 samples below the first). On cores shared with a steady
-        background, each operation more adds its share: the growth is linear."""
-        by_k = {0: self.samples[op], **self.under_load[op]}
-        high, low = sorted(by_k)[-1], sorted(by_k)[-2]
-        top, below = statistics.median(by_k[high]), statistics.median(by_k[low])
-        return max(0.0, (top - below) / (high - low) / top)
+        # op -> the measured loads, 0 first, and the median duration at each
+        self._loads: dict[str, list[int]] = {}
+        self._medians: dict[str, list[float]] = {}
+        for op, by_k in self.under_load.items():
+            by_k = {0: self.samples[op], **by_k}
+            self._loads[op] = sorted(by_k)
+            self._medians[op] = [statistics.median(by_k[k]) for k in self._loads[op]]
 
     @property
     def contended(self) -> bool:
         """Whether durations depend on what else the engine runs (the simulator then
-        keeps count of it)."""
+        shares the engine out among what it runs)."""
         return bool(self.under_load)
 
+    def measured_load(self, op: str, load: int) -> int:
+        """The highest load `op` was measured under that is not above `load`."""
+        loads = self._loads.get(op)
+        if not loads:
+            return 0
+        return loads[bisect.bisect_right(loads, load) - 1]
+
     def draw(self, op: str, rng: random.Random, load: int = 0) -> float:
-        """A duration of `op` started while `load` other engine operations run."""
-        levels = self._levels.get(op)
-        if load and levels:
-            i = bisect.bisect_right(levels, load)  # the highest measured load not above
-            if i == len(levels):
-                top = levels[-1]
-                return rng.choice(self.under_load[op][top]) * (1 + self._growth[op] * (load - top))
-            if i:
-                return rng.choice(self.under_load[op][levels[i - 1]])
-        return rng.choice(self.samples[op])
+        """A duration of `op` as measured under `measured_load(op, load)` others."""
+        k = self.measured_load(op, load)
+        return rng.choice(self.under_load[op][k] if k else self.samples[op])
+
+    def slowdown(self, op: str, load: float) -> float:
+        """How much longer `op` takes with `load` others under way than alone: the
+        medians' ratio, interpolated between measured loads; past the highest, the
+        trend between the two highest goes on (cores shared with a steady background:
+        each operation more adds its share, linearly). 1 for an op not measured so."""
+        loads = self._loads.get(op)
+        if not loads or load <= 0:
+            return 1.0
+        medians = self._medians[op]
+        i = min(bisect.bisect_right(loads, load), len(loads) - 1)  # the next measured load
+        per_op = (medians[i] - medians[i - 1]) / (loads[i] - loads[i - 1])
+        if load >= loads[-1]:
+            per_op = max(0.0, per_op)  # a falling trend at the top is noise: no growth
+        return max(1e-3 * medians[0], medians[i] + per_op * (load - loads[i])) / medians[0]
 
     @classmethod
     def default(cls, n: int = 2000, seed: int = 0) -> Profile:
@@ -95,6 +108,7 @@ class Profile:
         path.write_text(json.dumps({
             "source": self.source,
             "engine_concurrency": self.engine_concurrency,
+            "exec_weight": self.exec_weight,
             "samples": self.samples,
             "under_load": {
                 op: {str(k): s for k, s in by_k.items()} for op, by_k in self.under_load.items()
@@ -123,4 +137,5 @@ class Profile:
             data.get("engine_concurrency", 2),
             data.get("source", str(path)),
             under_load,
+            float(data.get("exec_weight", 1.0)),
         )
