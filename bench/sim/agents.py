@@ -246,7 +246,7 @@ class SimAgents:
     async def _create(self, node: SimNode, body: CreateSandbox) -> CallResult:
         if body.sandbox_id in node.sandboxes:
             return CallResult(True, 200, "ok", "")
-        needs = Resources(body.template.cpus, body.template.memory_mb, 1)
+        needs = Resources(body.template.cpus, body.template.memory_limit_mb, 1)
         if not (node.used + needs).fits_in(node.capacity):
             return CallResult(False, 409, "no_capacity", f"node {node.id} is full")
         sb = node.sandboxes[body.sandbox_id] = SimSandbox(S.CREATING, needs)
