@@ -58,24 +58,20 @@ async def run(size: int, window_s: float) -> dict:
         capacity=Capacity(cpus=1000, memory_mb=1 << 20, slots=2 * size),
         pool=PoolParams(min_warm=0), state_dir=Path(tempfile.mkdtemp()),
     )  # fmt: skip
-    pool = LocalPool(spec)
-    await pool.start()
-    try:
-        async with (
-            Client(pool.url, token=pool.tokens.admin) as operator,
-            Client(pool.url, token=pool.tokens.client, connection_limit=2 * size) as client,
-        ):
-            policy = PoolParams(min_warm=size, max_warm=2 * size, templates=["base"])
-            await operator.set_pool("dsec", policy)
-            await operator.set_pool("cold", PoolParams(min_warm=0, max_warm=0, templates=[]))
-            warmup_started = time.perf_counter()
-            await _wait_warm(client, "dsec", size)
-            warmup_s = time.perf_counter() - warmup_started
-            ours = await burst(client, "dsec", size, window_s)
-            await operator.set_pool("dsec", PoolParams(min_warm=0, max_warm=0, templates=[]))
-            baseline = await burst(client, "cold", size, window_s)
-    finally:
-        await pool.stop()
+    async with (
+        LocalPool(spec) as pool,
+        Client(pool.url, token=pool.tokens.admin) as operator,
+        Client(pool.url, token=pool.tokens.client, connection_limit=2 * size) as client,
+    ):
+        policy = PoolParams(min_warm=size, max_warm=2 * size, templates=["base"])
+        await operator.set_pool("dsec", policy)
+        await operator.set_pool("cold", PoolParams(min_warm=0, max_warm=0, templates=[]))
+        warmup_started = time.perf_counter()
+        await _wait_warm(client, "dsec", size)
+        warmup_s = time.perf_counter() - warmup_started
+        ours = await burst(client, "dsec", size, window_s)
+        await operator.set_pool("dsec", PoolParams(min_warm=0, max_warm=0, templates=[]))
+        baseline = await burst(client, "cold", size, window_s)
     cold_ms, dsec_ms = baseline["client_ms"], ours["client_ms"]
     return {
         "size": size,

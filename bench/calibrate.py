@@ -203,30 +203,26 @@ async def pool_samples(n: int, nodes: int) -> tuple[Samples, LoadedSamples, Load
         capacity=Capacity(cpus=64, memory_mb=65536, slots=64),
         pool=PoolParams(min_warm=0, templates=[]), state_dir=Path(tempfile.mkdtemp()),
     )  # fmt: skip
-    pool = LocalPool(spec)
-    await pool.start()
     samples: Samples = {"exec": []}
     by_level: dict[int, list[float]] = {k: [] for k in LOAD_LEVELS}
-    try:
-        async with (
-            Client(pool.url, token=pool.tokens.admin) as operator,
-            Client(pool.url, token=pool.tokens.client) as client,
-        ):
-            # no warm sandboxes: every acquire there is a create on an agent
-            await operator.set_pool("load", PoolParams(min_warm=0, max_warm=0, templates=[]))
-            async with client.sandbox(pool="load") as sb:
-                for _ in range(n):
-                    started = time.perf_counter()
-                    await sb.exec(["true"])
-                    samples["exec"].append(time.perf_counter() - started)
-            loops = LoadLoops(client, "load")
-            leases = n * LEASE_SAMPLES_FACTOR
-            while min(len(s) for s in by_level.values()) < leases:
-                for k in LOAD_LEVELS:
-                    by_level[k] += await _acquire_turn(operator, client, loops, k)
-            cold = await _cold_beside_execs(client, n)
-    finally:
-        await pool.stop()
+    async with (
+        LocalPool(spec) as pool,
+        Client(pool.url, token=pool.tokens.admin) as operator,
+        Client(pool.url, token=pool.tokens.client) as client,
+    ):
+        # no warm sandboxes: every acquire there is a create on an agent
+        await operator.set_pool("load", PoolParams(min_warm=0, max_warm=0, templates=[]))
+        async with client.sandbox(pool="load") as sb:
+            for _ in range(n):
+                started = time.perf_counter()
+                await sb.exec(["true"])
+                samples["exec"].append(time.perf_counter() - started)
+        loops = LoadLoops(client, "load")
+        leases = n * LEASE_SAMPLES_FACTOR
+        while min(len(s) for s in by_level.values()) < leases:
+            for k in LOAD_LEVELS:
+                by_level[k] += await _acquire_turn(operator, client, loops, k)
+        cold = await _cold_beside_execs(client, n)
     samples["lease"] = by_level[0][:leases]
     return samples, {"lease": {k: by_level[k][:leases] for k in LOAD_LEVELS if k}}, cold
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import sys
 import tempfile
@@ -83,17 +84,15 @@ async def exec_latencies(client: Client, samples: int) -> dict:
 
 
 async def run(url: str | None, admin: str | None, token: str | None, samples: int) -> dict:
-    pool: LocalPool | None = None
-    if url is None:
-        spec = LocalPoolSpec(
-            name="bench-latency", nodes=3, port=0,
-            capacity=Capacity(cpus=64, memory_mb=65536, slots=80),
-            pool=PoolParams(min_warm=0), state_dir=Path(tempfile.mkdtemp()),
-        )  # fmt: skip
-        pool = LocalPool(spec)
-        await pool.start()
-        url, admin, token = pool.url, pool.tokens.admin, pool.tokens.client
-    try:
+    async with contextlib.AsyncExitStack() as stack:
+        if url is None:
+            spec = LocalPoolSpec(
+                name="bench-latency", nodes=3, port=0,
+                capacity=Capacity(cpus=64, memory_mb=65536, slots=80),
+                pool=PoolParams(min_warm=0), state_dir=Path(tempfile.mkdtemp()),
+            )  # fmt: skip
+            pool = await stack.enter_async_context(LocalPool(spec))
+            url, admin, token = pool.url, pool.tokens.admin, pool.tokens.client
         async with Client(url, token=admin) as operator:
             await operator.set_pool("bench-warm", PoolParams(min_warm=WARM_BATCH, max_warm=64))
             # no warm tier at all: every acquire waits for its own create
@@ -104,9 +103,6 @@ async def run(url: str | None, admin: str | None, token: str | None, samples: in
             exec_ = await exec_latencies(client, samples)
         async with Client(url, token=admin) as operator:
             await operator.set_pool("bench-warm", PoolParams(min_warm=0, templates=[]))
-    finally:
-        if pool is not None:
-            await pool.stop()
     return {
         "acquire_warm": warm,
         "acquire_cold": cold,

@@ -433,11 +433,7 @@ async def replay_live(
 async def _replay_on_local_pool(
     episodes: Sequence[Episode], spec: LocalPoolSpec, meta: dict, run: dict
 ) -> RunResult:
-    pool = LocalPool(spec)
-    try:
-        await pool.start()
+    async with LocalPool(spec) as pool:
         return await _replay(
             episodes, pool.url, pool.tokens, meta={**meta, "cloud_nodes": spec.cloud_nodes}, **run
         )
-    finally:
-        await pool.stop()

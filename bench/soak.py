@@ -116,10 +116,10 @@ async def local_pool(spec: LocalPoolSpec, teardown: Teardown) -> AsyncIterator[L
     """A started pool, stopped on the way out however the body ends (error, Ctrl-C)."""
     pool = LocalPool(spec)
     try:
-        await pool.start()
-        yield pool
+        async with pool:
+            yield pool
     finally:
-        teardown.swept = await pool.stop()
+        teardown.swept = pool.swept
         teardown.left = await asyncio.to_thread(pool_containers, pool.node_ids)
         shutil.rmtree(spec.state_dir, ignore_errors=True)  # bench_spec's temporary dir
 

@@ -170,30 +170,30 @@ def cmd_up(args: argparse.Namespace) -> int:
         stop = stop_on_signals()
         pool = LocalPool(spec)
         try:
-            await pool.start()
-        except LocalPoolError as e:
-            await pool.stop()
+            async with pool:
+                summary = pool.summary()
+                if args.json:
+                    print(json.dumps(summary), flush=True)
+                else:
+                    _print_summary(summary)
+                why = await pool.wait(stop)
+        except LocalPoolError as e:  # raised by the start only
             print(f"dsec up: {e}", file=sys.stderr)
             return 1
-        summary = pool.summary()
-        if args.json:
-            print(json.dumps(summary), flush=True)
-        else:
-            print(f"control plane  {summary['url']}")
-            print(
-                format_table(["node", "url"], [[n["node_id"], n["url"]] for n in summary["nodes"]])
-            )
-            print(f"metrics        {summary['metrics']}")
-            print(f"prometheus sd  {summary['service_discovery']}")
-            print(f"dashboard      {DASHBOARD_HINT}")
-            print(f"credentials    source {summary['env_file']}")
-            print("Ctrl-C stops the pool and removes every sandbox it made.", flush=True)
-        why = await pool.wait(stop)
-        swept = await pool.stop()
-        print(f"dsec up: {why}; stopped (swept {swept} leftover containers)", file=sys.stderr)
+        print(f"dsec up: {why}; stopped (swept {pool.swept} leftover containers)", file=sys.stderr)
         return 0 if why == "stopped" else 1
 
     return asyncio.run(main())
+
+
+def _print_summary(summary: dict) -> None:
+    print(f"control plane  {summary['url']}")
+    print(format_table(["node", "url"], [[n["node_id"], n["url"]] for n in summary["nodes"]]))
+    print(f"metrics        {summary['metrics']}")
+    print(f"prometheus sd  {summary['service_discovery']}")
+    print(f"dashboard      {DASHBOARD_HINT}")
+    print(f"credentials    source {summary['env_file']}")
+    print("Ctrl-C stops the pool and removes every sandbox it made.", flush=True)
 
 
 # --- dsec status ---------------------------------------------------------------
@@ -319,24 +319,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="traces, replay, simulation")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
-    gen = bench_sub.add_parser("generate", help="write a synthetic or imported trace")
-    add_generate_arguments(gen)
-    gen.set_defaults(run=run_generate)
-    replay = bench_sub.add_parser("replay", help="replay a trace live or in the simulator")
-    add_replay_arguments(replay)
-    replay.set_defaults(run=run_replay)
-    compare = bench_sub.add_parser("compare", help="compare replay reports")
-    add_compare_arguments(compare)
-    compare.set_defaults(run=run_compare)
-    sweep = bench_sub.add_parser("sweep", help="sweep pool parameters in the simulator")
-    add_sweep_arguments(sweep)
-    sweep.set_defaults(run=run_sweep)
-    fidelity = bench_sub.add_parser("fidelity", help="the simulator against a live replay")
-    add_fidelity_arguments(fidelity)
-    fidelity.set_defaults(run=run_fidelity)
-    calibrate = bench_sub.add_parser("calibrate", help="measure Docker into a sim profile")
-    add_calibrate_arguments(calibrate)
-    calibrate.set_defaults(run=run_calibrate)
+    for name, help_, add_arguments, run in (
+        ("generate", "write a synthetic or imported trace", add_generate_arguments, run_generate),
+        ("replay", "replay a trace live or in the simulator", add_replay_arguments, run_replay),
+        ("compare", "compare replay reports", add_compare_arguments, run_compare),
+        ("sweep", "sweep pool parameters in the simulator", add_sweep_arguments, run_sweep),
+        ("fidelity", "the simulator against a live replay", add_fidelity_arguments, run_fidelity),
+        ("calibrate", "measure Docker into a sim profile", add_calibrate_arguments, run_calibrate),
+    ):
+        command = bench_sub.add_parser(name, help=help_)
+        add_arguments(command)
+        command.set_defaults(run=run)
     return parser
 
 

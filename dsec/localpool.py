@@ -92,6 +92,20 @@ class LocalPool:
         self.node_ids = [f"{spec.name}-{i}" for i in range(1, spec.nodes + 1)]
         self.cloud_prefix = f"{spec.name}-cloud"
         self.cloud_node_ids = [f"{self.cloud_prefix}-{i}" for i in range(1, spec.cloud_nodes + 1)]
+        self.swept = 0  # leftover containers the last stop() removed
+
+    async def __aenter__(self) -> LocalPool:
+        """Started. However the block ends, the pool is stopped on the way out; a start
+        that fails half-way stops the children it had already started."""
+        try:
+            await self.start()
+        except BaseException:
+            await self.stop()
+            raise
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
 
     @property
     def env_file(self) -> Path:
@@ -236,7 +250,8 @@ class LocalPool:
         await asyncio.gather(*(self._stop_child(a) for a in self.agents))
         if self.controlplane is not None:
             await self._stop_child(self.controlplane)
-        return await asyncio.to_thread(self._sweep_containers)
+        self.swept = await asyncio.to_thread(self._sweep_containers)
+        return self.swept
 
     async def _stop_child(self, child: Child) -> None:
         await stop_process(child.proc)

@@ -74,12 +74,9 @@ def make_spec(state_dir: Path, **overrides) -> LocalPoolSpec:
 async def started_pool(spec: LocalPoolSpec, docker_client) -> AsyncIterator[LocalPool]:
     pool = LocalPool(spec)
     STARTED_POOLS.add(spec.name)
-    try:
-        await pool.start()
+    async with pool:
         yield pool
-    finally:
-        swept = await pool.stop()
-    assert swept == 0, "the agents should have removed their own sandboxes on exit"
+    assert pool.swept == 0, "the agents should have removed their own sandboxes on exit"
     assert not pool_containers(docker_client, spec.name + "-")
 
 
