@@ -290,11 +290,11 @@ class Scheduler:
         self.wake()
 
     def _refused_everywhere(self, req: PendingRequest) -> bool:
-        template = self.config.templates[req.template]
+        template, now = self.config.templates[req.template], self.clock.now()
         candidates = {
             n.id
             for n in self.view.nodes.values()
-            if n.placeable(self.clock.now()) and (n.kind == "local" or template.may_overflow)
+            if n.placeable(now) and (n.kind == "local" or template.may_overflow)
         }
         return candidates <= req.refused_by
 
@@ -562,7 +562,7 @@ class Scheduler:
         if key is not None and key in self.spent_keys:
             raise _key_spent(body.idempotency_key, self.spent_keys.sandbox_of(key))
         if key is not None and key in self.by_key:
-            return await self._acquire_again(key, body.timeout_s)
+            return await self._acquire_again(key, body)
         req = PendingRequest(
             id=secrets.token_hex(8),
             pool=body.pool,
@@ -594,13 +594,13 @@ class Scheduler:
             )
         await self.clock.sleep(left)
 
-    async def _acquire_again(self, key: str, timeout_s: float) -> Lease:
+    async def _acquire_again(self, key: str, body: AcquireRequest) -> Lease:
         known = self.by_key[key]
         if isinstance(known, PendingRequest):
-            return await self._await_lease(known, timeout_s)
+            return await self._await_lease(known, body.timeout_s)
         entry = self.view.sandboxes.get(known)
         if entry is None or entry.state not in ASSIGNED:
-            raise _key_spent(key.split("/", 1)[1], known)
+            raise _key_spent(body.idempotency_key, known)
         return self.lease_of(entry, "warm", 0.0)
 
     async def _await_lease(self, req: PendingRequest, timeout_s: float) -> Lease:

@@ -11,6 +11,7 @@ import contextlib
 import shutil
 import subprocess
 import tempfile
+import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
@@ -39,6 +40,7 @@ class PrivateEngine:
     """A dockerd of our own: restarted and filled up without disturbing anyone else's."""
 
     root: Path
+    process: subprocess.Popen | None = None
 
     @property
     def socket(self) -> str:
@@ -53,7 +55,7 @@ class PrivateEngine:
 
     def start(self) -> None:
         log = open(self.root / "dockerd.log", "a")  # noqa: SIM115 (dockerd keeps it)
-        subprocess.Popen(
+        self.process = subprocess.Popen(
             [
                 "dockerd", "--bridge=none", "--iptables=false",
                 "--data-root", str(self.data_root),
@@ -67,21 +69,19 @@ class PrivateEngine:
             with contextlib.suppress(docker.errors.DockerException):
                 self.client().ping()
                 return
-            subprocess.run(["sleep", "0.1"], check=True)
+            time.sleep(0.1)
         raise AssertionError(f"private dockerd did not start: {self.root}/dockerd.log")
 
     def stop(self) -> None:
         """As `systemctl stop docker` does: SIGTERM, and dockerd stops its containers."""
-        pid_file = self.root / "docker.pid"
-        if not pid_file.exists():
+        if self.process is None:
             return
-        pid = int(pid_file.read_text())
-        subprocess.run(["kill", str(pid)], check=False)
-        for _ in range(300):
-            if not Path(f"/proc/{pid}").exists():
-                return
-            subprocess.run(["sleep", "0.1"], check=True)
-        raise AssertionError("private dockerd did not stop")
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=30)  # reaped: no zombie left behind
+        except subprocess.TimeoutExpired:
+            raise AssertionError("private dockerd did not stop") from None
+        self.process = None
 
     def fill_disk(self) -> None:
         with open(self.data_root / "filler", "wb") as f, contextlib.suppress(OSError):
@@ -92,10 +92,9 @@ class PrivateEngine:
 
     def containers(self, node_id: str) -> list:
         # sparse: no inspect per container, which races with removals under way
-        found = self.client().containers.list(
+        return self.client().containers.list(
             all=True, sparse=True, filters={"label": f"{LABEL_NODE}={node_id}"}
         )
-        return found
 
 
 @pytest.fixture(scope="module")
