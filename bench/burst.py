@@ -26,8 +26,8 @@ from pathlib import Path
 
 from bench.live_latency import _wait_warm
 from bench.stats import summary_ms
+from dsec.cli.up import LocalPool, LocalPoolSpec
 from dsec.client import Client
-from dsec.localpool import LocalPool, LocalPoolSpec
 from dsec.models import Capacity, PoolParams
 
 

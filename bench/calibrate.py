@@ -41,9 +41,9 @@ from agent.docker_driver import LABEL_NODE, DockerDriver
 from bench.live_latency import _wait_warm
 from bench.replay_live import DEFAULT_NODES
 from bench.sim.profile import OPS, Profile
+from dsec.cli.up import LocalPool, LocalPoolError, LocalPoolSpec
 from dsec.client import Client, DsecError, Sandbox
 from dsec.image import BASE_IMAGE, ensure_base_image
-from dsec.localpool import LocalPool, LocalPoolError, LocalPoolSpec
 from dsec.models import Capacity, PoolParams, TemplateSpec
 
 CONCURRENCY = (2, 4, 8)  # creates and removes timed this many at a time, besides one at a time

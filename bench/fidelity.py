@@ -34,7 +34,7 @@ from bench.runargs import add_run_arguments, load_run
 from bench.sim import simulate
 from bench.sim.profile import Profile
 from bench.stats import quantile
-from dsec.localpool import LocalPoolSpec
+from dsec.cli.up import LocalPoolSpec
 from dsec.trace import TraceError
 
 FIGURES = ("p50_ms", "p95_ms", "utilisation")

@@ -27,9 +27,19 @@ import random
 import sys
 from collections.abc import Iterable, Iterator, Sequence
 
+from bench.importers import import_azure_llm, import_csv
 from bench.stats import quantile
+from bench.steps import (
+    DEFAULT_EXEC_SHARE,
+    DEFAULT_MEAN_STEP_S,
+    require,
+    require_fraction,
+    require_non_negative,
+    require_positive,
+    split_lifetime,
+)
 from dsec.plan import lognormal_from_median_p99
-from dsec.trace import MAX_STEPS_PER_EPISODE, Episode, Step, dump_trace
+from dsec.trace import Episode, dump_trace
 
 GENERATED_KINDS = ("poisson", "tidal", "burst")
 IMPORTED_KINDS = ("azure", "csv")
@@ -38,33 +48,6 @@ DSEC_LIFETIME_P50_S = 17.4 * 60
 DSEC_LIFETIME_P99_S = 231.5 * 60
 # With DSec's lifetimes (mean ~32 min) this keeps ~200 sandboxes busy: a live pool's size here.
 DEFAULT_RATE_PER_S = 0.1
-DEFAULT_MEAN_STEP_S = 30.0
-DEFAULT_EXEC_SHARE = 0.3
-# How much single steps scatter around exec_share: Beta(k * share, k * (1 - share)).
-_EXEC_SHARE_CONCENTRATION = 5.0
-
-
-def split_lifetime(
-    rng: random.Random, lifetime_s: float, mean_step_s: float, exec_share: float
-) -> list[Step]:
-    """Cut a lifetime into steps whose think and exec times add up to it.
-
-    Step lengths are uniform spacings of the lifetime (so some think gaps are long enough for
-    the pool to freeze the sandbox); each step's exec fraction is drawn around ``exec_share``.
-    """
-    count = max(1, min(MAX_STEPS_PER_EPISODE, round(lifetime_s / mean_step_s)))
-    weights = [rng.expovariate(1.0) for _ in range(count)]
-    scale = lifetime_s / sum(weights)
-    steps = []
-    for weight in weights:
-        length = weight * scale
-        if 0 < exec_share < 1:
-            concentration = _EXEC_SHARE_CONCENTRATION
-            fraction = rng.betavariate(concentration * exec_share, concentration * (1 - exec_share))
-        else:
-            fraction = exec_share
-        steps.append(Step(think_s=length * (1 - fraction), exec_s=length * fraction))
-    return steps
 
 
 def poisson_arrivals(rng: random.Random, rate_per_s: float) -> Iterator[float]:
@@ -95,26 +78,6 @@ def burst_arrivals(
 ) -> Iterator[float]:
     """``size`` arrivals spread uniformly over ``window_s`` from each start time, in order."""
     yield from sorted(start + rng.uniform(0, window_s) for start in at_s for _ in range(size))
-
-
-def require(condition: bool, problem: str) -> None:
-    """Refuse bad input with a ValueError that says what is wrong."""
-    if not condition:
-        raise ValueError(problem)
-
-
-def require_positive(name: str, value: float) -> None:
-    require(math.isfinite(value) and value > 0, f"{name} must be a finite number > 0, got {value}")
-
-
-def require_non_negative(name: str, value: float) -> None:
-    require(
-        math.isfinite(value) and value >= 0, f"{name} must be a finite number >= 0, got {value}"
-    )
-
-
-def require_fraction(name: str, value: float) -> None:
-    require(0 <= value <= 1, f"{name} must be within [0, 1], got {value}")
 
 
 def generate(
@@ -334,9 +297,6 @@ def _episodes_for(args: argparse.Namespace) -> list[Episode]:
         )
     require(args.input is not None, f"--kind {args.kind} imports a CSV: give --input FILE")
     require(args.duration_s is None, "--duration-s applies to generated kinds; use --n")
-    # Imported here: the importers build their steps with this module's split_lifetime.
-    from bench.importers import import_azure_llm, import_csv
-
     if args.kind == "azure":
         return import_azure_llm(
             args.input,

@@ -20,7 +20,7 @@ peak); raise ``exec_s_per_step`` for tool-heavier agents.
 
 Generic CSV: a header row, then one row per episode with an arrival time and a lifetime in
 seconds (column names given). Arrivals are taken relative to the earliest one; each lifetime
-is cut into think and exec steps as the generators do (``bench.generate.split_lifetime``),
+is cut into think and exec steps as the generators do (``bench.steps.split_lifetime``),
 seeded.
 
 Both importers keep file order for episode ids (``{id_prefix}1`` is the first data row),
@@ -42,7 +42,7 @@ from typing import TypeVar
 
 from pydantic import ValidationError
 
-from bench.generate import (
+from bench.steps import (
     DEFAULT_EXEC_SHARE,
     DEFAULT_MEAN_STEP_S,
     require,

@@ -124,7 +124,7 @@ def run_replay(args: argparse.Namespace) -> int:
 
     if args.mode == "live":
         from bench.replay_live import ReplayError
-        from dsec.localpool import LocalPoolError
+        from dsec.cli.up import LocalPoolError
 
         try:
             result = asyncio.run(_replay_live(episodes, args))

@@ -30,8 +30,8 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.records import EpisodeRecord, RunResult, TimelineSample
+from dsec.cli.up import LocalPool, LocalPoolSpec, Tokens
 from dsec.client import Client, DsecError, Sandbox
-from dsec.localpool import LocalPool, LocalPoolSpec, Tokens
 from dsec.models import MAX_TIMEOUT_S, Capacity, PoolList, PoolParams
 from dsec.states import ASSIGNED, OCCUPYING, SandboxState
 from dsec.trace import Episode

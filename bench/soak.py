@@ -47,8 +47,8 @@ from agent.app import HIBERNATED_REPOSITORY
 from agent.docker_driver import LABEL_NODE
 from bench.stats import summary_ms
 from dsec.cli import format_table
+from dsec.cli.up import LocalPool, LocalPoolError, LocalPoolSpec
 from dsec.client import Client, DsecError
-from dsec.localpool import LocalPool, LocalPoolError, LocalPoolSpec
 from dsec.models import Capacity, PoolParams
 
 # Socket pools (the Docker SDK's towards the engine, aiohttp's between the control plane

@@ -11,14 +11,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import sys
 from pathlib import Path
 from typing import Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from dsec.models import Capacity, Name
-from dsec.processes import stop_process
+from dsec.processes import agent_args, dsec_argv, stop_process
 
 log = logging.getLogger(__name__)
 
@@ -76,19 +75,21 @@ class LocalCloudProvider:
         try:
             await asyncio.sleep(self.config.boot_delay_s)  # a VM takes a while to come up
             index = self.node_ids().index(node_id) + 1
-            c = self.config
+            args = agent_args(
+                node_id,
+                kind="cloud",
+                host=f"127.0.1.{index}",
+                controlplane=self.controlplane_url,
+                capacity=self.config.capacity,
+                state_dir=self.config.state_dir,
+                heartbeat_s=self.config.heartbeat_s,
+            )
             self.procs[node_id] = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "dsec.cli", "agent",
-                "--node-id", node_id, "--kind", "cloud",
-                "--host", f"127.0.1.{index}", "--port", "0",
-                "--controlplane", self.controlplane_url,
-                "--cpus", str(c.capacity.cpus), "--memory-mb", str(c.capacity.memory_mb),
-                "--slots", str(c.capacity.slots), "--state-dir", str(c.state_dir),
-                "--heartbeat-s", str(c.heartbeat_s), "--cleanup-on-exit",
+                *dsec_argv(*args),
                 stdout=asyncio.subprocess.DEVNULL,
                 env={**os.environ, "DSEC_AGENT_TOKEN": self.agent_token},
                 start_new_session=True,
-            )  # fmt: skip
+            )
             log.info("cloud node %s started", node_id)
         except BaseException:
             self.starting.discard(node_id)

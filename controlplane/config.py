@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from controlplane.cloud import CloudConfig
+from dsec.baselines import PolicyName
 from dsec.image import BASE_IMAGE
 from dsec.models import Name, PoolParams, TemplateSpec
 
@@ -51,9 +51,7 @@ class ControlPlaneConfig(BaseModel):
     state_dir: Path | None = Field(
         None, description="where released idempotency keys are kept across restarts"
     )
-    policy: Literal["dsec", "cold", "static", "hpa", "keda", "kpa"] = Field(
-        "dsec", description="dsec, or a baseline to compare it with"
-    )
+    policy: PolicyName = Field("dsec", description="dsec, or a baseline to compare it with")
 
     @model_validator(mode="after")
     def _consistent(self) -> ControlPlaneConfig:

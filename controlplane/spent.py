@@ -11,8 +11,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections import OrderedDict
 from pathlib import Path
+
+from dsec.recent import RecentMap
 
 log = logging.getLogger(__name__)
 
@@ -21,7 +22,7 @@ class SpentKeys:
     def __init__(self, path: Path | None, limit: int) -> None:
         self.path = path
         self.limit = limit  # the most recent this many are kept
-        self.keys: OrderedDict[str, str] = OrderedDict()  # key -> its sandbox
+        self.keys: RecentMap[str, str] = RecentMap(limit)  # key -> its sandbox
         self.lines = 0  # in the file: once past twice the limit, it is rewritten
         if path is not None and path.exists():
             for number, line in enumerate(path.read_text().splitlines(), start=1):
@@ -51,10 +52,7 @@ class SpentKeys:
             await asyncio.to_thread(self._append, json.dumps([key, sandbox_id]) + "\n")
 
     def _remember(self, key: str, sandbox_id: str) -> None:
-        self.keys[key] = sandbox_id
-        self.keys.move_to_end(key)
-        while len(self.keys) > self.limit:
-            self.keys.popitem(last=False)
+        self.keys.add(key, sandbox_id)  # the most recent; past the limit, the oldest go
 
     def _append(self, line: str) -> None:
         assert self.path is not None

@@ -22,9 +22,9 @@ from conftest import make_spec, started_pool
 
 from agent.docker_driver import LABEL_SANDBOX
 from controlplane.config import default_templates
+from dsec.cli.up import LocalPool
 from dsec.client import Client, DsecError, Sandbox
 from dsec.image import PASSWD
-from dsec.localpool import LocalPool
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 

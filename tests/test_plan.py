@@ -19,16 +19,14 @@ from bench.plan_check import (
     steady_state_trace,
 )
 from bench.records import EpisodeRecord, RunResult, TimelineSample
+from dsec.cli.plan import add_plan_arguments, render_table, run_plan
 from dsec.plan import (
     PlanInput,
     SimulateSettings,
-    add_plan_arguments,
     lag_over_cap_share,
     lognormal_from_median_p99,
     lognormal_mean,
     plan,
-    render_table,
-    run_plan,
 )
 
 CONTRACT_KEYS = {

@@ -26,9 +26,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from agent.docker_driver import LABEL_NODE
 from controlplane.config import default_templates
+from dsec.cli.up import LocalPool
 from dsec.client import Client, DsecError, Sandbox
 from dsec.image import ensure_base_image
-from dsec.localpool import LocalPool
 from dsec.models import Capacity, NodeInfo, PoolParams, TemplateSpec
 
 PRIVATE_HOST = "127.0.0.9"  # LocalPool gives its own agents 127.0.0.2 upwards

@@ -198,4 +198,3 @@ async def test_a_timeline_sample_sums_pools_and_counts_leased_and_alive():
     }
     assert sample.leased == 5  # leased, and leased but paused while its agent thinks
     assert sample.alive == 10  # all but hibernated, which hold files, not a slot
-

@@ -3,11 +3,13 @@
 Each part is the same process `dsec controlplane` or `dsec agent` would start, so
 the local pool exercises the real HTTP paths. Ctrl-C or SIGTERM stops the agents
 (which remove their sandboxes), then the control plane, then sweeps Docker for any
-container still labelled with one of its nodes.
+container still labelled with one of its nodes. LocalPool is also how the benchmarks
+and the tests start a pool.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import json
@@ -18,13 +20,16 @@ from pathlib import Path
 
 import aiohttp
 import docker
+from pydantic import ValidationError
 
 from agent.docker_driver import LABEL_NODE
 from controlplane.cloud import CloudConfig
 from controlplane.config import ControlPlaneConfig, default_templates
+from dsec.baselines import PolicyName
+from dsec.cli.common import DASHBOARD_HINT, DEFAULT_STATE_DIR, UsageError, describe, format_table
 from dsec.image import ensure_base_image
 from dsec.models import Capacity, PoolParams, TemplateSpec
-from dsec.processes import stop_process
+from dsec.processes import agent_args, dsec_argv, stop_process
 from dsec.tokens import new_token
 
 READY_TIMEOUT_S = 60.0
@@ -47,7 +52,7 @@ class LocalPoolSpec:
     cloud_nodes: int = 0  # started by the control plane only when overflow needs them
     cloud_boot_delay_s: float = 2.0
     cloud_idle_release_s: float = 60.0
-    policy: str = "dsec"  # or a baseline: cold, static, hpa, keda, kpa
+    policy: PolicyName = "dsec"  # or one of the baselines
     templates: dict[str, TemplateSpec] = field(default_factory=default_templates)
 
 
@@ -152,19 +157,14 @@ class LocalPool:
             "controlplane", ["controlplane", "--config", str(config_path)]
         )
         for i, node_id in enumerate(self.node_ids, start=1):
-            args = [
-                "agent",
-                "--node-id", node_id,
-                "--host", f"127.0.0.{i + 1}",
-                "--port", "0",
-                "--controlplane", self.url,
-                "--cpus", str(self.spec.capacity.cpus),
-                "--memory-mb", str(self.spec.capacity.memory_mb),
-                "--slots", str(self.spec.capacity.slots),
-                "--state-dir", str(self.dir),
-                "--heartbeat-s", str(self.spec.heartbeat_s),
-                "--cleanup-on-exit",
-            ]  # fmt: skip
+            args = agent_args(
+                node_id,
+                host=f"127.0.0.{i + 1}",
+                controlplane=self.url,
+                capacity=self.spec.capacity,
+                state_dir=self.dir,
+                heartbeat_s=self.spec.heartbeat_s,
+            )
             self.agents.append(await self._spawn(node_id, args))
         await self._wait_registered()
         self._write_env_file()
@@ -182,7 +182,7 @@ class LocalPool:
 
     async def _spawn(self, name: str, args: list[str]) -> Child:
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "dsec.cli", *args,
+            *dsec_argv(*args),
             stdout=asyncio.subprocess.PIPE,
             env={**os.environ, **self.tokens.env()},
             start_new_session=True,  # Ctrl-C reaches us alone; we stop the children in order
@@ -268,3 +268,78 @@ class LocalPool:
                     c.remove(force=True)
                     removed += 1
         return removed
+
+
+# --- dsec up -------------------------------------------------------------------
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from dsec.httpkit import stop_on_signals
+
+    if not 1 <= args.nodes <= 250:
+        raise UsageError(f"--nodes must be between 1 and 250, got {args.nodes}")
+    try:
+        capacity = Capacity(
+            cpus=args.cpus_per_node, memory_mb=args.memory_mb_per_node, slots=args.slots_per_node
+        )
+        params = PoolParams(min_warm=args.min_warm, max_warm=max(args.min_warm, 64))
+    except ValidationError as e:
+        raise UsageError(describe(e)) from e
+    spec = LocalPoolSpec(
+        name=args.name,
+        nodes=args.nodes,
+        port=args.port,
+        capacity=capacity,
+        pool=params,
+        state_dir=args.state_dir,
+    )
+
+    async def main() -> int:
+        stop = stop_on_signals()
+        pool = LocalPool(spec)
+        try:
+            async with pool:
+                summary = pool.summary()
+                if args.json:
+                    print(json.dumps(summary), flush=True)
+                else:
+                    _print_summary(summary)
+                why = await pool.wait(stop)
+        except LocalPoolError as e:  # raised by the start only
+            print(f"dsec up: {e}", file=sys.stderr)
+            return 1
+        print(f"dsec up: {why}; stopped (swept {pool.swept} leftover containers)", file=sys.stderr)
+        return 0 if why == "stopped" else 1
+
+    return asyncio.run(main())
+
+
+def _print_summary(summary: dict) -> None:
+    print(f"control plane  {summary['url']}")
+    print(format_table(["node", "url"], [[n["node_id"], n["url"]] for n in summary["nodes"]]))
+    print(f"metrics        {summary['metrics']}")
+    print(f"prometheus sd  {summary['service_discovery']}")
+    print(f"dashboard      {DASHBOARD_HINT}")
+    print(f"credentials    source {summary['env_file']}")
+    print("Ctrl-C stops the pool and removes every sandbox it made.", flush=True)
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add `dsec up`."""
+    up = sub.add_parser("up", help="run a local multi-node pool until Ctrl-C")
+    up.add_argument("--nodes", type=int, default=3)
+    up.add_argument("--name", default="dsec", help="prefix of the node ids; one per pool")
+    up.add_argument("--port", type=int, default=8700, help="control plane port (0: any)")
+    up.add_argument("--slots-per-node", type=int, default=64)
+    up.add_argument("--cpus-per-node", type=float, default=16)
+    up.add_argument("--memory-mb-per-node", type=int, default=65536)
+    up.add_argument("--min-warm", type=int, default=4, help="warm sandboxes in pool 'default'")
+    up.add_argument(
+        "--cloud-nodes",
+        type=int,
+        default=0,
+        help="cloud nodes the pool may start when local nodes pass 80%% utilisation",
+    )
+    up.add_argument("--state-dir", type=Path, default=DEFAULT_STATE_DIR)
+    up.add_argument("--json", action="store_true", help="print where things are as JSON")
+    up.set_defaults(run=cmd_up)

@@ -1,0 +1,28 @@
+"""`dsec bench`: traces, replay, simulation; the commands themselves live in bench/."""
+
+from __future__ import annotations
+
+import argparse
+
+from bench.calibrate import add_calibrate_arguments, run_calibrate
+from bench.fidelity import add_fidelity_arguments, run_fidelity
+from bench.generate import add_generate_arguments, run_generate
+from bench.replay import add_compare_arguments, add_replay_arguments, run_compare, run_replay
+from bench.sweep import add_sweep_arguments, run_sweep
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add `dsec bench` and its subcommands."""
+    bench = sub.add_parser("bench", help="traces, replay, simulation")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    for name, help_, add_arguments, run in (
+        ("generate", "write a synthetic or imported trace", add_generate_arguments, run_generate),
+        ("replay", "replay a trace live or in the simulator", add_replay_arguments, run_replay),
+        ("compare", "compare replay reports", add_compare_arguments, run_compare),
+        ("sweep", "sweep pool parameters in the simulator", add_sweep_arguments, run_sweep),
+        ("fidelity", "the simulator against a live replay", add_fidelity_arguments, run_fidelity),
+        ("calibrate", "measure Docker into a sim profile", add_calibrate_arguments, run_calibrate),
+    ):
+        command = bench_sub.add_parser(name, help=help_)
+        add_arguments(command)
+        command.set_defaults(run=run)

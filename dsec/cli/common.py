@@ -1,0 +1,37 @@
+"""What the commands share: the usage error, credentials from the environment, tables."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from pydantic import ValidationError
+
+from dsec.httpkit import validation_details
+
+DEFAULT_STATE_DIR = Path.home() / ".dsec"
+DASHBOARD_HINT = (
+    "http://127.0.0.1:3000/d/dsec-overview once `cd deploy && docker compose up -d` runs "
+    "Grafana (deploy/README.md)"
+)
+
+
+class UsageError(Exception):
+    """Bad input on the command line: printed as one line, exit code 2."""
+
+
+def format_table(headers: list[str], rows: list[list[object]]) -> str:
+    cells = [headers] + [[str(c) for c in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in cells)
+
+
+def env_token(*names: str) -> str:
+    for name in names:
+        if os.environ.get(name):
+            return os.environ[name]
+    raise UsageError(f"set {' or '.join(names)} (the credential for this command)")
+
+
+def describe(e: ValidationError) -> str:
+    return "; ".join(f"{d['loc'] or 'value'}: {d['msg']}" for d in validation_details(e))
