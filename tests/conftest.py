@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -19,11 +18,12 @@ from pathlib import Path
 import docker
 import pytest
 import pytest_asyncio
+from inprocess import InProcessControlPlane, inprocess_controlplane
 
 from agent.docker_driver import LABEL_NODE
+from dsec.cli.up import LocalPool, LocalPoolSpec
 from dsec.client import Client
 from dsec.image import ensure_base_image
-from dsec.localpool import LocalPool, LocalPoolSpec
 from dsec.models import Capacity, PoolParams
 from dsec.processes import stop_process
 
@@ -31,6 +31,16 @@ TEST_POOL_PREFIX = "test-"
 # pools this session started: the end-of-session check looks at these alone, so two
 # test runs side by side do not judge (or remove) each other's containers
 STARTED_POOLS: set[str] = set()
+# fixtures that reach a Docker engine: every live pool depends on `docker_client`, and
+# `engine` (test_reliability) runs a dockerd of its own
+DOCKER_FIXTURES = {"docker_client", "engine"}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark `docker` every test that needs the engine, so `-m "not docker"` runs the rest."""
+    for item in items:
+        if DOCKER_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.docker)
 
 
 def pool_containers(client: docker.DockerClient, prefix: str = TEST_POOL_PREFIX) -> list:
@@ -99,6 +109,13 @@ async def operator(pool: LocalPool) -> AsyncIterator[Client]:
         yield c
 
 
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def controlplane_app() -> AsyncIterator[InProcessControlPlane]:
+    """A control plane in this process with no agents (tests/inprocess.py): no Docker."""
+    async with inprocess_controlplane() as cp:
+        yield cp
+
+
 @dataclass
 class ExtraAgent:
     """An agent process started beside a pool's own: it joins the pool, and may leave."""
@@ -124,19 +141,23 @@ async def start_agent(
     env: dict[str, str] | None = None,
 ) -> ExtraAgent:
     """`dsec agent` registering with the pool; `env` may point it at another engine."""
+    from dsec.processes import agent_args, dsec_argv
+
+    args = agent_args(
+        node_id,
+        kind=kind,
+        host=host,
+        controlplane=pool.url,
+        capacity=Capacity(cpus=slots, memory_mb=slots * 1024, slots=slots),
+        state_dir=pool.dir,
+        heartbeat_s=pool.spec.heartbeat_s,
+    )
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "dsec.cli", "agent",
-        "--node-id", node_id, "--kind", kind,
-        "--host", host, "--port", "0",
-        "--controlplane", pool.url,
-        "--cpus", str(slots), "--memory-mb", str(slots * 1024), "--slots", str(slots),
-        "--state-dir", str(pool.dir),
-        "--heartbeat-s", str(pool.spec.heartbeat_s),
-        "--cleanup-on-exit",
+        *dsec_argv(*args),
         stdout=asyncio.subprocess.PIPE,
         env={**os.environ, **pool.tokens.env(), **(env or {})},
         start_new_session=True,
-    )  # fmt: skip
+    )
     agent = ExtraAgent(node_id, proc)
     assert proc.stdout is not None
     try:

@@ -17,10 +17,11 @@ import aiohttp
 import pytest
 import pytest_asyncio
 from conftest import make_spec, started_pool
+from inprocess import InProcessControlPlane, inprocess_controlplane
 
 from agent.docker_driver import LABEL_SANDBOX
+from dsec.cli.up import LocalPool
 from dsec.client import Client, Sandbox
-from dsec.localpool import LocalPool
 from dsec.tokens import new_token
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -36,6 +37,13 @@ async def pool(docker_client, tmp_path_factory) -> AsyncIterator[LocalPool]:
         env.setenv("DSEC_TOKEN", f"{ALICE},{BOB}")
         async for p in started_pool(spec, docker_client):
             yield p
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def controlplane_app() -> AsyncIterator[InProcessControlPlane]:
+    """Alice's and Bob's tokens on a control plane in this process: no agents, no Docker."""
+    async with inprocess_controlplane(ALICE, BOB) as cp:
+        yield cp
 
 
 @pytest_asyncio.fixture(loop_scope="module")
@@ -94,19 +102,21 @@ async def test_the_control_plane_refuses_missing_and_wrong_tokens(pool, alice):
         assert (await sb.exec(["echo", "ok"])).stdout == "ok\n"
 
 
-async def test_admin_and_agent_routes_refuse_client_tokens(pool):
-    pools_url = f"{pool.url}/v1/pools/default"
+async def test_admin_and_agent_routes_refuse_client_tokens(controlplane_app):
+    base, admin = controlplane_app.url, controlplane_app.tokens.admin
+    pools_url = f"{base}/v1/pools/default"
     for token in (ALICE, BOB):
         assert_refused(await call("PUT", pools_url, token, {}), 403, "forbidden", "PUT pools")
-    status, before = await call("GET", f"{pool.url}/v1/pools", pool.tokens.admin)
+    status, before = await call("GET", f"{base}/v1/pools", admin)
     assert status == 200
     params = next(p["params"] for p in before["pools"] if p["name"] == "default")
-    status, body = await call("PUT", pools_url, pool.tokens.admin, params)
+    status, body = await call("PUT", pools_url, admin, params)
     assert status == 200 and body["params"] == params
-    # only an agent may report for a node: a forged report could steer placements
-    node = pool.node_ids[0]
-    report_url = f"{pool.url}/v1/agents/{node}"
-    for token in (ALICE, pool.tokens.admin):
+    # only an agent may report for a node: a forged report could steer placements (the
+    # token is checked before the report is read, so no node needs to have reported)
+    node = "dsec-1"
+    report_url = f"{base}/v1/agents/{node}"
+    for token in (ALICE, admin):
         assert_refused(await call("PUT", report_url, token, {}), 403, "forbidden", "heartbeat")
     assert_refused(await call("PUT", report_url, None, {}), 401, "unauthenticated", "heartbeat")
 

@@ -32,6 +32,12 @@ def acquire_url(pool) -> str:
     return f"{pool.url}/v1/sandboxes"
 
 
+@pytest.fixture
+def app_acquire_url(controlplane_app) -> str:
+    return f"{controlplane_app.url}/v1/sandboxes"
+
+
+# refused before any queue: the control plane in this process (no agents, no Docker)
 @pytest.mark.parametrize(
     ("payload", "status", "code", "field"),
     [
@@ -48,49 +54,54 @@ def acquire_url(pool) -> str:
         (b'{"idempotency_key": "a b/c"}', 422, "validation_error", "idempotency_key"),
     ],
 )
-async def test_bad_acquire_bodies(pool, acquire_url, payload, status, code, field):
-    got, body = await call("POST", acquire_url, pool.tokens.client, data=payload)
+async def test_bad_acquire_bodies(controlplane_app, app_acquire_url, payload, status, code, field):
+    got, body = await call("POST", app_acquire_url, controlplane_app.tokens.client, data=payload)
     assert_error(got, body, status, code)
     if field:
         details = body["error"].get("details") or []
         assert any(field in d["loc"] for d in details), body
 
 
-async def test_oversize_body(pool, acquire_url):
-    got, body = await call("POST", acquire_url, pool.tokens.client, data=b"x" * (2 << 20))
+async def test_oversize_body(controlplane_app, app_acquire_url):
+    token = controlplane_app.tokens.client
+    got, body = await call("POST", app_acquire_url, token, data=b"x" * (2 << 20))
     assert_error(got, body, 413, "body_too_large")
 
 
 @pytest.mark.parametrize(
     "sandbox_id", ["..%2F..%2Fetc", "a.b", "UPPER.0123456789abcdef", "x" * 300, "%00"]
 )
-async def test_sandbox_ids_with_path_characters(pool, sandbox_id):
-    got, body = await call("GET", f"{pool.url}/v1/sandboxes/{sandbox_id}", pool.tokens.client)
+async def test_sandbox_ids_with_path_characters(controlplane_app, sandbox_id):
+    url, token = f"{controlplane_app.url}/v1/sandboxes/{sandbox_id}", controlplane_app.tokens.client
+    got, body = await call("GET", url, token)
     assert_error(got, body, 400, "invalid_sandbox_id")
-    got, body = await call("DELETE", f"{pool.url}/v1/sandboxes/{sandbox_id}", pool.tokens.client)
+    got, body = await call("DELETE", url, token)
     assert_error(got, body, 400, "invalid_sandbox_id")
 
 
-async def test_unknown_routes_and_methods_answer_json(pool):
-    got, body = await call("GET", f"{pool.url}/v1/nothing", pool.tokens.client)
+async def test_unknown_routes_and_methods_answer_json(controlplane_app):
+    base, token = controlplane_app.url, controlplane_app.tokens.client
+    got, body = await call("GET", f"{base}/v1/nothing", token)
     assert_error(got, body, 404, "not_found")
-    got, body = await call("PATCH", f"{pool.url}/v1/sandboxes", pool.tokens.client)
+    got, body = await call("PATCH", f"{base}/v1/sandboxes", token)
     assert_error(got, body, 405, "method_not_allowed")
 
 
-async def test_credentials_are_required(pool, acquire_url):
-    got, body = await call("POST", acquire_url, None, json={})
+async def test_credentials_are_required(controlplane_app, app_acquire_url):
+    got, body = await call("POST", app_acquire_url, None, json={})
     assert_error(got, body, 401, "unauthenticated")
-    got, body = await call("POST", acquire_url, "wrong", json={})
+    got, body = await call("POST", app_acquire_url, "wrong", json={})
     assert_error(got, body, 403, "forbidden")
     # a client token cannot change a pool's parameters
-    got, body = await call("PUT", f"{pool.url}/v1/pools/default", pool.tokens.client, json={})
+    base, token = controlplane_app.url, controlplane_app.tokens.client
+    got, body = await call("PUT", f"{base}/v1/pools/default", token, json={})
     assert_error(got, body, 403, "forbidden")
 
 
-async def test_bad_pool_parameters_change_nothing(pool):
-    url = f"{pool.url}/v1/pools/default"
-    _, before = await call("GET", f"{pool.url}/v1/pools", pool.tokens.admin)
+async def test_bad_pool_parameters_change_nothing(controlplane_app):
+    base, admin = controlplane_app.url, controlplane_app.tokens.admin
+    url = f"{base}/v1/pools/default"
+    _, before = await call("GET", f"{base}/v1/pools", admin)
     for params in (
         {"min_warm": -1},
         {"min_warm": 10, "max_warm": 5},
@@ -98,14 +109,15 @@ async def test_bad_pool_parameters_change_nothing(pool):
         {"freeze_after_s": "later"},
         {"overflow_threshold": 1.5},
     ):
-        got, body = await call("PUT", url, pool.tokens.admin, json=params)
+        got, body = await call("PUT", url, admin, json=params)
         assert 400 <= got < 500 and body["error"]["message"], (params, body)
-    _, after = await call("GET", f"{pool.url}/v1/pools", pool.tokens.admin)
+    _, after = await call("GET", f"{base}/v1/pools", admin)
     assert after == before or [p["params"] for p in after["pools"]] == [
         p["params"] for p in before["pools"]
     ]
 
 
+# on a live pool: these need a sandbox, its agent and its container
 async def test_exec_bad_input_and_released_sandbox(pool, client, docker_client):
     sb = await client.acquire()
     url = f"{sb.lease.agent_url}/v1/sandboxes/{sb.id}/exec"

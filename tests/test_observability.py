@@ -29,8 +29,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from agent.docker_driver import LABEL_NODE, LABEL_SANDBOX
 from controlplane.metrics import UNKNOWN_POOL
+from dsec.cli.up import LocalPool
 from dsec.client import Client, DsecError
-from dsec.localpool import LocalPool
 from dsec.models import SANDBOX_ID_RE, Capacity, PoolParams
 from dsec.states import SandboxState
 
@@ -467,17 +467,19 @@ def rejected_acquires(metrics_text: str) -> dict[str, float]:
     }
 
 
-async def test_refused_acquires_are_counted_as_rejected(pool):
-    headers = {"Authorization": f"Bearer {pool.tokens.client}"}
+async def test_refused_acquires_are_counted_as_rejected(controlplane_app):
+    # refused before any queue: the control plane in this process (no agents) counts them
+    base = controlplane_app.url
+    headers = {"Authorization": f"Bearer {controlplane_app.tokens.client}"}
     async with aiohttp.ClientSession(headers=headers) as http:
 
         async def rejected() -> dict[str, float]:
-            async with http.get(f"{pool.url}/metrics") as resp:
+            async with http.get(f"{base}/metrics") as resp:
                 return rejected_acquires(await resp.text())
 
         before = await rejected()
         for body in ({"pool": "no-such-pool"}, {"pool": "default", "priority": 5000}):
-            async with http.post(f"{pool.url}/v1/sandboxes", json=body) as resp:
+            async with http.post(f"{base}/v1/sandboxes", json=body) as resp:
                 assert resp.status == 422
         after = await rejected()
     # an unknown pool must not become a label value; a known one is kept
