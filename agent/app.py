@@ -13,7 +13,6 @@ import asyncio
 import contextlib
 import logging
 import secrets
-from collections import OrderedDict
 from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -65,12 +64,13 @@ from dsec.models import (
     Usage,
     node_of,
 )
-from dsec.states import SandboxState, transition
+from dsec.policy import Resources
+from dsec.recent import TOMBSTONES, RecentMap
+from dsec.states import HIBERNATED_FROM, PAUSED_FROM, THAWED_FROM, SandboxState, transition
 from dsec.tokens import lease_token
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-TOMBSTONES = 100_000  # released ids remembered, so late calls get "released", not "unknown"
 AUDIT_READ_LIMIT = 10_000  # records one GET /v1/audit answers at most
 HIBERNATED_REPOSITORY = "dsec-hibernated"
 
@@ -147,9 +147,10 @@ class Agent:
         self.hibernated_dir = config.state_dir / f"{config.node_id}-hibernated"
         self.audit = AuditLog(config.state_dir / f"{config.node_id}-audit.jsonl")
         self.sandboxes: dict[str, Sandbox] = {}
-        self.released: OrderedDict[str, None] = OrderedDict()
+        # released ids remembered, so late calls get "released", not "unknown"
+        self.released: RecentMap[str, None] = RecentMap(TOMBSTONES)
         # sandboxes whose container died with the engine -> why, for their clients
-        self.lost: OrderedDict[str, str] = OrderedDict()
+        self.lost: RecentMap[str, str] = RecentMap(TOMBSTONES)
         self.engine_ok = True  # the engine answered its last check or call
         self.images: list[str] = []
         self.url = ""  # set by listening_at() once the port is known
@@ -186,11 +187,9 @@ class Agent:
 
     def has_room_for(self, spec: TemplateSpec) -> bool:
         used, cap = self.usage(), self.config.capacity
-        return (
-            used.slots + 1 <= cap.slots
-            and used.cpus + spec.cpus <= cap.cpus + 1e-9
-            and used.memory_mb + spec.memory_limit_mb <= cap.memory_mb
-        )
+        needs = Resources(spec.cpus, spec.memory_limit_mb, 1)
+        after = Resources(used.cpus, used.memory_mb, used.slots) + needs
+        return after.fits_in(Resources(cap.cpus, cap.memory_mb, cap.slots))
 
     def report(self) -> NodeReport:
         now = self.clock.now()
@@ -304,10 +303,7 @@ class Agent:
     async def pause(self, sandbox_id: str) -> Sandbox:
         sandbox = self.get(sandbox_id)
         async with sandbox.lock:
-            target = {
-                SandboxState.WARM: SandboxState.PAUSED,
-                SandboxState.LEASED: SandboxState.LEASED_PAUSED,
-            }.get(sandbox.state)
+            target = PAUSED_FROM.get(sandbox.state)
             if target is None:
                 return sandbox  # already frozen: pausing is idempotent
             if sandbox.running_execs:
@@ -323,7 +319,7 @@ class Agent:
         async with sandbox.lock:
             if sandbox.state == SandboxState.HIBERNATED:
                 return sandbox
-            if sandbox.state != SandboxState.PAUSED:
+            if sandbox.state not in HIBERNATED_FROM:
                 raise ApiError(
                     409, "not_paused", f"only a paused sandbox hibernates ({sandbox.state})"
                 )
@@ -378,10 +374,7 @@ class Agent:
             return sandbox
 
     async def _thaw_locked(self, sandbox: Sandbox) -> None:
-        target = {
-            SandboxState.PAUSED: SandboxState.WARM,
-            SandboxState.LEASED_PAUSED: SandboxState.LEASED,
-        }.get(sandbox.state)
+        target = THAWED_FROM.get(sandbox.state)
         if target is None:
             return
         await self._docker_or_502(self.docker.unpause(sandbox.record.container_id))
@@ -412,9 +405,7 @@ class Agent:
             return sandbox.busy_s
 
     def _remember_released(self, sandbox_id: str) -> None:
-        self.released[sandbox_id] = None
-        while len(self.released) > TOMBSTONES:
-            self.released.popitem(last=False)
+        self.released.add(sandbox_id)
 
     def _docker_failed(self, e: DockerOpError) -> None:
         self.metrics.docker_error(e.op, e.kind)
@@ -607,12 +598,11 @@ class Agent:
                 await self.docker.remove(sandbox.record.container_id)
                 await self.store.delete(sandbox.record.id)
                 del self.sandboxes[sandbox.record.id]
-                self.lost[sandbox.record.id] = (
+                self.lost.add(
+                    sandbox.record.id,
                     "was lost: its container stopped when the node's Docker engine restarted; "
-                    "release it and acquire another"
+                    "release it and acquire another",
                 )
-                while len(self.lost) > TOMBSTONES:
-                    self.lost.popitem(last=False)
 
     async def refresh_images_forever(self) -> None:
         """The images this node holds, for placement; apart from the heartbeat, so a

@@ -16,13 +16,11 @@ from collections.abc import AsyncIterator
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from controlplane.agents import AgentClient, HttpAgents
 from controlplane.cloud import CloudProvider
 from controlplane.config import ControlPlaneConfig
-from controlplane.gateway import AgentGateway
-from controlplane.metrics import UNKNOWN_POOL, ControlPlaneMetrics, ViewCollector
-from controlplane.queue import RequestQueues
-from controlplane.scheduler import Scheduler
-from controlplane.view import ClusterView
+from controlplane.metrics import UNKNOWN_POOL
+from controlplane.scheduler import Scheduler, build_scheduler
 from dsec.clock import Clock
 from dsec.httpkit import (
     Api,
@@ -82,7 +80,7 @@ async def acquire(request: web.Request) -> web.Response:
         body = await read_model(request, AcquireRequest)
         if body.pool in s.config.pools:
             pool = body.pool
-        lease = await s.acquire(body, client_id(bearer_token(request)))
+        lease = await s.leases.acquire(body, client_id(bearer_token(request)))
     except (ApiError, web.HTTPClientError) as e:
         if 400 <= e.status < 500:
             if pool == UNKNOWN_POOL and not request.can_read_body:  # the body was read
@@ -118,7 +116,7 @@ async def list_sandboxes(request: web.Request) -> web.Response:
     entries = [
         e for e in s.view.sandboxes.values() if (pool is None or e.pool == pool) and visible(e)
     ]
-    return model_response(SandboxList(sandboxes=[s.info_of(e) for e in entries]))
+    return model_response(SandboxList(sandboxes=[s.leases.info_of(e) for e in entries]))
 
 
 async def get_sandbox(request: web.Request) -> web.Response:
@@ -131,14 +129,14 @@ async def get_sandbox(request: web.Request) -> web.Response:
         if sandbox_id in s.view.released:
             raise ApiError(410, "released", f"sandbox {sandbox_id} was released")
         raise ApiError(404, "unknown_sandbox", f"no sandbox {sandbox_id}")
-    return model_response(s.info_of(entry))
+    return model_response(s.leases.info_of(entry))
 
 
 async def release(request: web.Request) -> web.Response:
     s = _client(request)
     operator = token_matches(bearer_token(request), s.config.admin_tokens)
     proof = None if operator else request.headers.get(LEASE_TOKEN_HEADER, "")
-    entry = await s.release(sandbox_id_param(request), proof)
+    entry = await s.leases.release(sandbox_id_param(request), proof)
     return model_response(Released(id=entry.id, state=SandboxState.GONE))
 
 
@@ -286,19 +284,20 @@ def controlplane_api() -> Api:
 
 
 def create_controlplane_app(
-    config: ControlPlaneConfig, clock: Clock, cloud: CloudProvider | None = None
+    config: ControlPlaneConfig,
+    clock: Clock,
+    cloud: CloudProvider | None = None,
+    *,
+    agents: AgentClient | None = None,
 ) -> web.Application:
-    metrics_ = ControlPlaneMetrics()
-    view = ClusterView(confirm_grace_s=2 * config.heartbeat_timeout_s)
-    queues = RequestQueues()
-    gateway = AgentGateway(config.agent_token)
-    scheduler = Scheduler(config, view, queues, gateway, clock, metrics_, cloud)
-    metrics_.watch(ViewCollector(view, queues, lambda: list(config.pools), clock.now))
+    """The control plane, calling its agents over HTTP unless `agents` says otherwise."""
+    agents = agents or HttpAgents(config.agent_token)
+    scheduler = build_scheduler(config, agents, clock, cloud=cloud)
     app = new_app(controlplane_api())
     app[SCHEDULER] = scheduler
 
     async def lifecycle(app: web.Application) -> AsyncIterator[None]:
-        await gateway.start()
+        await agents.start()
         loop = asyncio.create_task(scheduler.run_forever(), name="scheduler")
         yield
         loop.cancel()
@@ -307,7 +306,7 @@ def create_controlplane_app(
         if cloud is not None:
             await cloud.close()
         await scheduler.drain()
-        await gateway.close()
+        await agents.close()
 
     app.cleanup_ctx.append(lifecycle)
     return app

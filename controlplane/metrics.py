@@ -15,9 +15,9 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessColl
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from agent.metrics import LATENCY_BUCKETS
 from controlplane.queue import RequestQueues
 from controlplane.view import ClusterView
+from dsec.buckets import LATENCY_BUCKETS
 from dsec.policy import Resources
 from dsec.states import SandboxState
 
@@ -131,6 +131,12 @@ class ControlPlaneMetrics:
             registry=r,
         )
 
+        self.unplaced = Counter(
+            "dsec_acquires_unplaced_total",
+            "Waiting acquires that no node could take, by why (once per request and reason)",
+            ["pool", "code"],
+            registry=r,
+        )
         self.nodes_taken_out = Counter(
             "dsec_nodes_taken_out_total",
             "Times a node was taken out of placement for failing calls in a row",
@@ -140,3 +146,22 @@ class ControlPlaneMetrics:
 
     def watch(self, collector: ViewCollector) -> None:
         self.registry.register(collector)
+
+
+class SandboxSeconds:
+    """Sandbox-seconds up to now, by pool and kind of node. `account` runs before every
+    change of what occupies a node (ticks, outcomes, reports), so a sandbox gone between
+    ticks is counted to its end."""
+
+    def __init__(self, view: ClusterView, metrics: ControlPlaneMetrics, now: float) -> None:
+        self.view, self.metrics, self.accounted_at = view, metrics, now
+
+    def account(self, now: float) -> None:
+        elapsed = now - self.accounted_at
+        self.accounted_at = now
+        for (pool, kind), n in self.view.occupying.items():
+            if not n:
+                continue
+            self.metrics.alive_seconds.labels(pool).inc(n * elapsed)
+            # cloud sandbox-seconds cost more: counted apart
+            self.metrics.sandbox_node_seconds.labels(pool, kind).inc(n * elapsed)

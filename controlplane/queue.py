@@ -26,6 +26,9 @@ class PendingRequest:
     labels: dict[str, str]
     done: asyncio.Future[Lease] = field(default_factory=asyncio.Future)
     refused_by: set[str] = field(default_factory=set)
+    template_refusal: str | None = None  # the last refusal about its template, as said
+    unplaced: str | None = None  # why no node could take it, while none can
+    reservation: str | None = None  # the sandbox being created for it
     claimed: bool = False  # a sandbox is being leased to it
 
     @property
@@ -36,15 +39,18 @@ class PendingRequest:
 class RequestQueues:
     def __init__(self) -> None:
         self.pending: dict[str, dict[str, PendingRequest]] = {}
+        self.by_id: dict[str, PendingRequest] = {}  # every queued request, claimed or not
 
     def add(self, req: PendingRequest) -> None:
         self.pending.setdefault(req.pool, {})[req.id] = req
+        self.by_id[req.id] = req
 
     def remove(self, req: PendingRequest) -> None:
         self.pending.get(req.pool, {}).pop(req.id, None)
+        self.by_id.pop(req.id, None)
 
-    def get(self, request_id: str, pool: str) -> PendingRequest | None:
-        return self.pending.get(pool, {}).get(request_id)
+    def get(self, request_id: str) -> PendingRequest | None:
+        return self.by_id.get(request_id)
 
     def waiting(self) -> list[PendingRequest]:
         """Requests not yet handed a sandbox."""

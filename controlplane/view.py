@@ -8,14 +8,12 @@ restarts with an empty view learns every sandbox and lease back from the heartbe
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from dsec.models import NodeReport, SandboxReport
 from dsec.policy import NodeSnap, Resources, SandboxSnap
+from dsec.recent import RecentMap
 from dsec.states import ASSIGNED, OCCUPYING, TERMINAL, SandboxState, transition
-
-TOMBSTONES = 100_000
 
 
 @dataclass
@@ -90,7 +88,7 @@ class ClusterView:
     def __init__(self, confirm_grace_s: float) -> None:
         self.nodes: dict[str, NodeEntry] = {}
         self.sandboxes: dict[str, SandboxEntry] = {}  # read freely; change through methods
-        self.released: OrderedDict[str, None] = OrderedDict()
+        self.released: RecentMap[str, None] = RecentMap()  # ids released: late calls learn so
         # A report can be older than the latest confirmed outcome: leave alone what was
         # confirmed within this long.
         self.confirm_grace_s = confirm_grace_s
@@ -153,9 +151,7 @@ class ClusterView:
             del self._by_node[entry.node][entry.id]
             self._count(entry, -1)
         if tombstone:
-            self.released[sandbox_id] = None
-            while len(self.released) > TOMBSTONES:
-                self.released.popitem(last=False)
+            self.released.add(sandbox_id)
         return entry
 
     def used_by_node(self) -> dict[str, Resources]:
@@ -231,11 +227,16 @@ class ClusterView:
         for sb in reported.values():
             entry = self.sandboxes.get(sb.id)
             if entry is None:
-                if sb.id not in self.released:
-                    entry = self._entry_from_report(report.node_id, sb, now)
+                entry = self._entry_from_report(report.node_id, sb, now)
+                if sb.id in self.released:
+                    # released while its node was away (lost), or reported by a heartbeat
+                    # older than its removal: it is to go, and the next tick removes it
+                    entry.state = SandboxState.DESTROYING
                     self.add(entry)
-                    changes.added.append(entry)
-                    changes.busy_s[sb.pool] = changes.busy_s.get(sb.pool, 0.0) + sb.busy_s
+                    continue
+                self.add(entry)
+                changes.added.append(entry)
+                changes.busy_s[sb.pool] = changes.busy_s.get(sb.pool, 0.0) + sb.busy_s
                 continue
             delta = max(0.0, sb.busy_s - entry.busy_s)
             if delta:
@@ -244,6 +245,8 @@ class ClusterView:
             entry.idle_since = now - sb.idle_s
             if entry.op_in_flight or now - entry.confirmed_at < self.confirm_grace_s:
                 continue
+            if entry.state == SandboxState.DESTROYING:
+                continue  # its removal failed and is retried: it is not coming back
             if entry.state != sb.state and sb.state != SandboxState.CREATING:
                 self.move(entry, sb.state, now)
                 entry.lease_id = sb.lease_id
@@ -338,18 +341,25 @@ class ClusterView:
         self._unplaceable.discard(node_id)
         self._dirty_nodes.add(node_id)
 
-    def sandbox_snaps(self, leases_idle_since: float | None) -> tuple[SandboxSnap, ...]:
+    def sandbox_snaps(self, now: float, leases_idle_since: float | None) -> tuple[SandboxSnap, ...]:
         """The sandboxes the policy may act on: unassigned ones (to claim, freeze, age),
         creates under way, and leases idle since `leases_idle_since` or longer (for
-        lease-idle freezing; None leaves leases out)."""
+        lease-idle freezing; None leaves leases out). One with a call in flight, or
+        backing off after a failed one (until its `retry_at`), is left out: nothing is
+        decided about it until it can be acted on."""
         snaps = [_snap(s) for s in self.by_state[SandboxState.CREATING].values()]
         for state in (SandboxState.WARM, SandboxState.PAUSED, SandboxState.HIBERNATED):
-            snaps.extend(_snap(s) for s in self.by_state[state].values() if not s.op_in_flight)
+            snaps.extend(
+                _snap(s)
+                for s in self.by_state[state].values()
+                if not s.op_in_flight and s.retry_at <= now
+            )
         if leases_idle_since is not None:
             snaps.extend(
                 _snap(s)
                 for s in self.by_state[SandboxState.LEASED].values()
                 if not s.op_in_flight
+                and s.retry_at <= now
                 and s.idle_since is not None
                 and s.idle_since <= leases_idle_since
             )

@@ -18,7 +18,7 @@ import math
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Mapping
-from typing import Protocol
+from typing import Literal, Protocol, get_args
 
 from dsec.models import PoolParams
 from dsec.policy import (
@@ -78,9 +78,8 @@ class ColdPolicy:
             template, params = snapshot.templates.get(req.template), pools.get(req.pool)
             if template is None or params is None:
                 continue
-            node = placement.place(template, params.overflow_threshold, req.id, req.refused_by)
-            if node is not None:
-                actions.append(Create(node.id, req.pool, req.template, req.id, "cold: per request"))
+            why = "cold: per request"
+            actions.append(placement.for_request(req, template, params, req.id, why))
         # a container whose request left is not kept: there is no pool to keep it in
         waiting = {r.id for r in snapshot.requests}
         for sb in snapshot.sandboxes:
@@ -249,9 +248,15 @@ class KpaPolicy(ReplicaPolicy):
         return max(params.min_warm, min(want, params.max_warm + state["leased"]))
 
 
-POLICIES = {
+# The one list of policy names: the control plane's config takes one of these, and
+# POLICIES maps each to its class (by the class's `name`).
+PolicyName = Literal["dsec", "cold", "static", "hpa", "keda", "kpa"]
+
+_CLASSES = {
     p.name: p for p in (DsecPolicy, ColdPolicy, StaticPolicy, HpaPolicy, KedaPolicy, KpaPolicy)
 }
+POLICIES = {name: _CLASSES[name] for name in get_args(PolicyName)}
+assert POLICIES.keys() == _CLASSES.keys(), "a policy class without its name in PolicyName"
 
 
 def make_policy(name: str) -> Policy:

@@ -10,6 +10,8 @@ One decision, in order (DSec's defaults, seed 004 section 4.2):
    first. A request takes, in order of preference: the sandbox created for it, a
    warm sandbox, a paused one (thaw), a hibernated one (restore), an idle or frozen
    sandbox of a lower-priority pool, and otherwise gets a cold create placed for it.
+   A request no node can take gets an Unplaceable with the reason: final (the acquire
+   fails now) when every node that could run it refused its template.
 2. Scale up on queue depth: when pending > k x idle, create step x idle extra warm
    sandboxes (step x pending when idle is 0), within max_warm and capacity. These
    are on top of the cold creates of step 1: they anticipate the rest of a burst.
@@ -122,6 +124,9 @@ class RequestSnap:
     priority: int
     arrived_at: float
     refused_by: frozenset[str] = frozenset()  # nodes that refused a create for it
+    # the last refusal that was about its template (an image a node lacks, a setting
+    # Docker rejects), as the agent said it; None while no node refused the template
+    template_refusal: str | None = None
 
 
 @dataclass(frozen=True)
@@ -189,6 +194,18 @@ class Destroy:
 
 
 @dataclass(frozen=True)
+class Unplaceable:
+    """A request that no node can take now, and why. `final`: every node that could run
+    it has refused its template, so waiting will not help and the acquire fails now;
+    otherwise the request waits, and its reason is what its client hears on timeout."""
+
+    request_id: str
+    code: str  # no_room (nothing fits now) or template_refused (final)
+    final: bool
+    reason: str
+
+
+@dataclass(frozen=True)
 class ProvisionCloud:
     count: int
     reason: str
@@ -200,7 +217,10 @@ class ReleaseCloud:
     reason: str
 
 
-Action = Claim | Create | Pause | Thaw | Hibernate | Destroy | ProvisionCloud | ReleaseCloud
+Action = (
+    Claim | Create | Unplaceable | Pause | Thaw | Hibernate | Destroy
+    | ProvisionCloud | ReleaseCloud
+)  # fmt: skip
 
 # What a claim costs, best first; the path it reports.
 CLAIM_TIERS = ((S.WARM, "warm"), (S.PAUSED, "thaw"), (S.HIBERNATED, "thaw"))
@@ -304,6 +324,35 @@ class Placement:
         if best.kind == "local" and best.healthy:
             self.local_used = self.local_used + needs
         return best
+
+    def for_request(
+        self, req: RequestSnap, template: TemplateSnap, params: PoolParams, key: object, why: str
+    ) -> Create | Unplaceable:
+        """A cold create for a waiting request, or the reason there can be none."""
+        node = self.place(template, params.overflow_threshold, key, req.refused_by)
+        if node is not None:
+            return Create(node.id, req.pool, req.template, req.id, why)
+        # the nodes that could ever run it, whatever their room: have they all refused it?
+        eligible = [
+            n.id
+            for n in self.nodes.values()
+            if n.healthy and (n.kind == "local" or template.may_overflow)
+        ]
+        if req.template_refusal is not None and req.refused_by.issuperset(eligible):
+            return Unplaceable(
+                req.id,
+                "template_refused",
+                True,
+                f"no node can run template {req.template!r} (image {template.image}): "
+                f"{req.template_refusal}",
+            )
+        return Unplaceable(
+            req.id,
+            "no_room",
+            False,
+            f"no node has room for template {req.template!r} "
+            f"({template.cpus} cpus, {template.memory_mb} MB) that has not refused it",
+        )
 
 
 class _Decision:
@@ -419,13 +468,11 @@ class _Decision:
         params = self.pools.get(req.pool)
         if template is None or params is None:
             return
-        node = self.placement.place(
-            template, params.overflow_threshold, ("request", req.id), req.refused_by
-        )
-        if node is not None:
-            self.actions.append(
-                Create(node.id, req.pool, req.template, req.id, "no free sandbox for a request")
+        self.actions.append(
+            self.placement.for_request(
+                req, template, params, ("request", req.id), "no free sandbox for a request"
             )
+        )
 
     # 2, 3 ------------------------------------------------------------------------
     def grow(self) -> None:

@@ -35,6 +35,18 @@ OCCUPYING = frozenset(
     }
 )
 ASSIGNED = frozenset({SandboxState.LEASED, SandboxState.LEASED_PAUSED})
+# What pausing, thawing and hibernating make of a sandbox, by the state it is in: the
+# agents, the control plane and the simulator all read them here. A state missing from
+# a map cannot take that operation.
+PAUSED_FROM = {
+    SandboxState.WARM: SandboxState.PAUSED,
+    SandboxState.LEASED: SandboxState.LEASED_PAUSED,
+}
+THAWED_FROM = {
+    SandboxState.PAUSED: SandboxState.WARM,
+    SandboxState.LEASED_PAUSED: SandboxState.LEASED,
+}
+HIBERNATED_FROM = {SandboxState.PAUSED: SandboxState.HIBERNATED}
 
 S = SandboxState
 TRANSITIONS: dict[tuple[SandboxState, SandboxState], str] = {

@@ -1,10 +1,13 @@
 """Simulated agents: the calls the control plane makes, answered in virtual time.
 
-`SimAgents` stands where `controlplane.gateway.AgentGateway` stands and answers the
-same requests (create, lease, pause, unpause, hibernate, remove) with the same
-results, including an agent's refusal when a node is full. Durations are drawn from
-a profile; creates, removes and snapshots queue for the node's agent, which runs a
-few at a time (its lifecycle threads).
+`SimAgents` implements the control plane's agent interface
+(`controlplane.agents.AgentClient`: create, lease, pause, unpause, hibernate,
+destroy) with the same results as live agents, including an agent's refusal when a
+node is full, and heartbeats each node's report into the same path live reports take
+(`Scheduler.on_report`). Durations are drawn from a profile; creates, removes and
+snapshots queue for the node's agent, which runs a few at a time (its lifecycle
+threads). Faults can be injected for tests: a node that fails or refuses calls, lacks
+an image, or stops answering altogether.
 
 Each node's machine runs one Docker engine, which counts what it runs: operations
 and the start of every exec (the part of an exec that is the engine's work). With a
@@ -18,22 +21,68 @@ from __future__ import annotations
 
 import asyncio
 import heapq
+import logging
 import random
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from bench.sim.profile import Profile
-from controlplane.gateway import CallResult
-from dsec.models import CreateSandbox
+from controlplane.agents import OK, AgentAddress, CallResult
+from dsec.models import Capacity, CreateSandbox, LeaseGrant, NodeReport, SandboxReport, Usage
 from dsec.policy import Resources
+from dsec.states import HIBERNATED_FROM, PAUSED_FROM, THAWED_FROM
 from dsec.states import SandboxState as S
 
+log = logging.getLogger(__name__)
+
 URL_SCHEME = "sim://"
+# sandbox reports the simulated agents make per simulated second, at the most
+REPORTED_PER_S = 1000
+# what a live agent says when its node lacks the template's image
+IMAGE_MISSING = "docker_image_not_found"
 
 
 @dataclass
 class SimSandbox:
     state: S
     needs: Resources
+    spec: CreateSandbox
+    created_at: float
+    lease: LeaseGrant | None = None
+    busy_s: float = 0.0  # commands run, all time (played ahead: may end in the future)
+    busy_until: float = 0.0  # when its last command ends
+    frozen_at: float | None = None  # when it was first frozen
+    _report: SandboxReport | None = None
+
+    def leased(self, grant: LeaseGrant) -> None:
+        self.lease, self._report = grant, None
+
+    def report(self, now: float) -> SandboxReport:
+        """What its agent's heartbeat says of it. The fixed part is built once per lease;
+        the rest is written into it in place, unvalidated: at DSec's scale, building
+        every sandbox's report anew each heartbeat would cost more than the rest of the
+        simulation."""
+        if self._report is None:
+            lease = self.lease
+            self._report = SandboxReport.model_construct(
+                id=self.spec.sandbox_id,
+                pool=lease.pool if lease else self.spec.pool,
+                template=self.spec.template.name,
+                state=self.state,
+                created_at=self.created_at,
+                lease_id=lease.lease_id if lease else None,
+                idempotency_key=lease.idempotency_key if lease else None,
+                owner=lease.owner if lease else None,
+                labels=lease.labels if lease else {},
+                cpus=self.needs.cpus,
+                memory_mb=self.needs.memory_mb,
+            )
+        fields = self._report.__dict__
+        fields["state"] = self.state
+        fields["busy_s"] = self.busy_s
+        fields["frozen_s"] = None if self.frozen_at is None else now - self.frozen_at
+        fields["idle_s"] = max(0.0, now - self.busy_until)
+        return self._report
 
 
 class Job:
@@ -162,12 +211,22 @@ class Engine:
 
 class SimNode:
     def __init__(
-        self, node_id: str, kind: str, capacity: Resources, engine: Engine, concurrency: int
+        self,
+        node_id: str,
+        kind: str,
+        capacity: Resources,
+        images: set[str],
+        engine: Engine,
+        concurrency: int,
     ) -> None:
         self.id, self.kind, self.capacity, self.engine = node_id, kind, capacity, engine
+        self.images = images
         self.slots = asyncio.Semaphore(concurrency)  # the agent's threads for Docker calls
         self.sandboxes: dict[str, SimSandbox] = {}
         self.used = Resources()
+        self.down = False  # unreachable: calls fail, heartbeats stop
+        # op -> results to answer instead of doing it, first first (injected faults)
+        self.faults: dict[str, list[CallResult]] = {}
 
     def occupy(self, needs: Resources, sign: int) -> None:
         self.used = Resources(
@@ -176,31 +235,88 @@ class SimNode:
             self.used.slots + sign * needs.slots,
         )
 
+    def fault(self, op: str) -> CallResult | None:
+        if self.down:
+            return CallResult(False, 0, "unreachable", f"node {self.id} does not answer")
+        queued = self.faults.get(op)
+        return queued.pop(0) if queued else None
 
+
+@dataclass
 class SimAgents:
-    def __init__(self, profile: Profile, rng: random.Random, shared_engine: bool) -> None:
-        self.profile = profile
-        self.rng = rng
-        self.shared_engine = shared_engine
-        self.nodes: dict[str, SimNode] = {}
-        self._engine: Engine | None = None
+    """The agents of a simulated cluster, behind the control plane's agent interface."""
 
-    def add_node(self, node_id: str, kind: str, capacity: Resources) -> str:
+    profile: Profile
+    rng: random.Random
+    shared_engine: bool
+    nodes: dict[str, SimNode] = field(default_factory=dict)
+    _engine: Engine | None = None
+
+    def add_node(self, node_id: str, kind: str, capacity: Resources, images: set[str]) -> SimNode:
         if self.shared_engine:
             self._engine = self._engine or Engine(self.profile)
             engine = self._engine
         else:
             engine = Engine(self.profile)
-        self.nodes[node_id] = SimNode(
-            node_id, kind, capacity, engine, self.profile.engine_concurrency
+        node = self.nodes[node_id] = SimNode(
+            node_id, kind, capacity, set(images), engine, self.profile.engine_concurrency
         )
-        return f"{URL_SCHEME}{node_id}"
+        return node
+
+    def inject(self, node_id: str, op: str, result: CallResult, times: int = 1) -> None:
+        """The next `times` calls of `op` (create, lease, pause, unpause, hibernate,
+        destroy) on the node answer `result` and do nothing."""
+        self.nodes[node_id].faults.setdefault(op, []).extend([result] * times)
+
+    # --- heartbeats -------------------------------------------------------------
+
+    def report(self, node_id: str, now: float) -> NodeReport:
+        """The node's heartbeat, as its live agent would send it."""
+        node = self.nodes[node_id]
+        cap = node.capacity
+        return NodeReport.model_construct(
+            node_id=node.id,
+            kind=node.kind,
+            url=f"{URL_SCHEME}{node.id}",
+            capacity=Capacity.model_construct(
+                cpus=cap.cpus, memory_mb=cap.memory_mb, slots=cap.slots
+            ),
+            usage=Usage.model_construct(
+                cpus=node.used.cpus, memory_mb=node.used.memory_mb, slots=node.used.slots
+            ),
+            images=sorted(node.images),
+            sandboxes=[sb.report(now) for sb in node.sandboxes.values()],
+            incarnation="sim",
+            engine_ok=True,
+        )
+
+    async def heartbeat_forever(
+        self, deliver: Callable[[NodeReport], None], every_s: float
+    ) -> None:
+        """Every node that answers reports every `every_s` (as `dsec agent` does), or
+        less often when the cluster holds more sandboxes than REPORTED_PER_S reports a
+        second carry: at DSec's scale a report of every sandbox every second would cost
+        more than all the rest of the simulation, and what reports tell the policy
+        (idle times for lease-idle freezing, minutes long) bears a few seconds' delay."""
+        loop = asyncio.get_running_loop()
+        while True:
+            sandboxes = sum(len(node.sandboxes) for node in self.nodes.values())
+            for node in list(self.nodes.values()):
+                if node.down:
+                    continue
+                try:
+                    deliver(self.report(node.id, loop.time()))
+                except Exception:  # a live agent's heartbeat would get a 500, and go on
+                    log.exception("the report of %s failed", node.id)
+            await asyncio.sleep(max(every_s, sandboxes / REPORTED_PER_S))
+
+    # --- the agent interface ----------------------------------------------------
 
     async def start(self) -> None:
-        """Nothing to open: the gateway interface."""
+        """Nothing to open."""
 
     async def close(self) -> None:
-        """Nothing to close: the gateway interface."""
+        """Nothing to close."""
 
     async def _take(self, op: str, node: SimNode, counts: bool = True) -> None:
         """`op` on the node's engine: under load, if the profile says load matters;
@@ -214,48 +330,45 @@ class SimAgents:
         async with node.slots:
             await self._take(op, node)
 
-    def exec_window(self, node_id: str, start_s: float, end_s: float) -> None:
-        """An exec on `node_id` keeps its engine busy from `start_s` to `end_s`; counted
-        only when the profile says that load matters."""
-        if self.profile.contended:
-            self.nodes[node_id].engine.exec_window(start_s, end_s)
-
-    async def call(self, method: str, url: str, body=None, request_id: str = "") -> CallResult:
-        node_id, _, path = url.removeprefix(URL_SCHEME).partition("/")
-        node = self.nodes.get(node_id)
+    def _find(self, address: AgentAddress, op: str, sandbox_id: str):
+        """The node and sandbox a call is about, or the answer a live agent would give."""
+        node = self.nodes.get(address.id)
         if node is None:
-            return CallResult(False, 0, "unreachable", f"no node {node_id}")
-        parts = path.split("/")  # v1, sandboxes[, id[, verb]]
-        if method == "POST" and len(parts) == 2:
-            return await self._create(node, body)
-        sandbox_id = parts[2]
-        verb = parts[3] if len(parts) > 3 else None
+            return CallResult(False, 0, "unreachable", f"no node {address.id}")
+        if (fault := node.fault(op)) is not None:
+            return fault
         sb = node.sandboxes.get(sandbox_id)
         if sb is None:
             return CallResult(False, 404, "unknown_sandbox", f"no sandbox {sandbox_id}")
-        if method == "DELETE":
-            return await self._remove(node, sandbox_id, sb)
-        handler = {
-            "lease": self._lease,
-            "pause": self._pause,
-            "unpause": self._unpause,
-            "hibernate": self._hibernate,
-        }[verb]
-        return await handler(node, sb)
+        return node, sb
 
-    async def _create(self, node: SimNode, body: CreateSandbox) -> CallResult:
-        if body.sandbox_id in node.sandboxes:
-            return CallResult(True, 200, "ok", "")
-        needs = Resources(body.template.cpus, body.template.memory_limit_mb, 1)
+    async def create(self, address: AgentAddress, spec: CreateSandbox) -> CallResult:
+        node = self.nodes.get(address.id)
+        if node is None:
+            return CallResult(False, 0, "unreachable", f"no node {address.id}")
+        if (fault := node.fault("create")) is not None:
+            return fault
+        if spec.sandbox_id in node.sandboxes:
+            return OK
+        if spec.template.image not in node.images:
+            return CallResult(False, 422, IMAGE_MISSING, f"no image {spec.template.image}")
+        needs = Resources(spec.template.cpus, spec.template.memory_limit_mb, 1)
         if not (node.used + needs).fits_in(node.capacity):
             return CallResult(False, 409, "no_capacity", f"node {node.id} is full")
-        sb = node.sandboxes[body.sandbox_id] = SimSandbox(S.CREATING, needs)
+        loop = asyncio.get_running_loop()
+        sb = node.sandboxes[spec.sandbox_id] = SimSandbox(
+            S.CREATING, needs, spec, created_at=loop.time(), busy_until=loop.time()
+        )
         node.occupy(needs, +1)
         await self._engine_op(node, "create")
         sb.state = S.WARM
         return CallResult(True, 201, "ok", "")
 
-    async def _lease(self, node: SimNode, sb: SimSandbox) -> CallResult:
+    async def lease(self, address: AgentAddress, sandbox_id: str, grant: LeaseGrant) -> CallResult:
+        found = self._find(address, "lease", sandbox_id)
+        if isinstance(found, CallResult):
+            return found
+        node, sb = found
         if self.profile.contended:
             # what the same tick started (the refill a claim makes) is under way first
             await asyncio.sleep(0)
@@ -269,38 +382,77 @@ class SimAgents:
                 return CallResult(False, 409, "no_capacity", "no room to restore")
             node.occupy(sb.needs, +1)
             await self._engine_op(node, "restore")
-        sb.state = S.LEASED
-        return CallResult(True, 200, "ok", "")
+        sb.state, sb.frozen_at = S.LEASED, None
+        sb.leased(grant)
+        sb.busy_until = max(sb.busy_until, asyncio.get_running_loop().time())
+        return OK
 
-    async def _pause(self, node: SimNode, sb: SimSandbox) -> CallResult:
+    async def pause(self, address: AgentAddress, sandbox_id: str) -> CallResult:
+        found = self._find(address, "pause", sandbox_id)
+        if isinstance(found, CallResult):
+            return found
+        node, sb = found
         await self._take("pause", node)
-        sb.state = S.LEASED_PAUSED if sb.state == S.LEASED else S.PAUSED
-        return CallResult(True, 200, "ok", "")
+        if sb.state in PAUSED_FROM:
+            sb.state = PAUSED_FROM[sb.state]
+            sb.frozen_at = asyncio.get_running_loop().time()
+        return OK
 
-    async def _unpause(self, node: SimNode, sb: SimSandbox) -> CallResult:
+    async def unpause(self, address: AgentAddress, sandbox_id: str) -> CallResult:
+        found = self._find(address, "unpause", sandbox_id)
+        if isinstance(found, CallResult):
+            return found
+        node, sb = found
         await self._take("unpause", node)
-        sb.state = S.LEASED if sb.state == S.LEASED_PAUSED else S.WARM
-        return CallResult(True, 200, "ok", "")
+        if sb.state in THAWED_FROM:
+            sb.state, sb.frozen_at = THAWED_FROM[sb.state], None
+        return OK
 
-    async def thaw_for_exec(self, node_id: str, sandbox_id: str) -> bool:
-        """What the agent does on an exec into a frozen lease; True if it had to thaw."""
-        sb = self.nodes[node_id].sandboxes.get(sandbox_id)
-        if sb is None or sb.state != S.LEASED_PAUSED:
-            return False
-        await self._take("unpause", self.nodes[node_id])
-        sb.state = S.LEASED
-        return True
-
-    async def _hibernate(self, node: SimNode, sb: SimSandbox) -> CallResult:
+    async def hibernate(self, address: AgentAddress, sandbox_id: str) -> CallResult:
+        found = self._find(address, "hibernate", sandbox_id)
+        if isinstance(found, CallResult):
+            return found
+        node, sb = found
+        if sb.state not in HIBERNATED_FROM:
+            return CallResult(False, 409, "not_paused", f"sandbox {sandbox_id} is {sb.state}")
         await self._engine_op(node, "commit")
         await self._engine_op(node, "remove")
-        sb.state = S.HIBERNATED
+        sb.state = HIBERNATED_FROM[sb.state]
         node.occupy(sb.needs, -1)  # memory released: the files stay on disk
-        return CallResult(True, 200, "ok", "")
+        return OK
 
-    async def _remove(self, node: SimNode, sandbox_id: str, sb: SimSandbox) -> CallResult:
+    async def destroy(self, address: AgentAddress, sandbox_id: str) -> CallResult:
+        found = self._find(address, "destroy", sandbox_id)
+        if isinstance(found, CallResult):
+            return found
+        node, sb = found
         if sb.state != S.HIBERNATED:
             await self._engine_op(node, "remove")
             node.occupy(sb.needs, -1)
         node.sandboxes.pop(sandbox_id, None)
-        return CallResult(True, 200, "ok", "")
+        return CallResult(True, 200, "ok", "", busy_s=sb.busy_s)
+
+    # --- what clients do in their sandboxes -------------------------------------
+
+    def run_command(
+        self, node_id: str, sandbox_id: str, start_s: float, engine_s: float, took_s: float
+    ) -> None:
+        """A command in a sandbox from `start_s` for `took_s`, its first `engine_s` the
+        engine's work (counted as load only when the profile says load matters)."""
+        node = self.nodes[node_id]
+        if self.profile.contended:
+            node.engine.exec_window(start_s, start_s + engine_s)
+        sb = node.sandboxes.get(sandbox_id)
+        if sb is not None:
+            sb.busy_s += took_s
+            sb.busy_until = max(sb.busy_until, start_s + took_s)
+
+    async def thaw_for_exec(self, node_id: str, sandbox_id: str) -> bool:
+        """What the agent does on an exec into a frozen lease; True if it had to thaw."""
+        node = self.nodes[node_id]
+        sb = node.sandboxes.get(sandbox_id)
+        if sb is None or sb.state != S.LEASED_PAUSED:
+            return False
+        await self._take("unpause", node)
+        sb.state, sb.frozen_at = S.LEASED, None
+        return True

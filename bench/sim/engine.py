@@ -1,11 +1,12 @@
 """Replay a trace in virtual time through the control plane's own scheduler.
 
-The pieces are the live ones: `controlplane.scheduler.Scheduler` with its view,
-queues and metrics, the same policy objects (`dsec.baselines.make_policy`), and
-`Scheduler.acquire` / `Scheduler.release`, which the HTTP handlers call live. What
-is simulated: time (a virtual-time event loop), the agents and Docker (durations
-drawn from a profile), and the network between them (none). Deterministic for a
-given seed.
+The pieces are the live ones: the scheduler as `controlplane.scheduler.build_scheduler`
+makes it for the HTTP app, with its view, queues and metrics, the same policy objects
+(`dsec.baselines.make_policy`), `Leases.acquire` / `Leases.release`, which the HTTP
+handlers call live, and the heartbeat path (`Scheduler.on_report`), through which the
+simulated agents report every second as live ones do. What is simulated: time (a
+virtual-time event loop), the agents and Docker (durations drawn from a profile), and
+the network between them (none). Deterministic for a given seed.
 
 An episode acquires at its arrival, holds its sandbox through its steps, and
 releases it. Steps are not one event each: think and exec times are added up into
@@ -26,14 +27,12 @@ from bench.sim.loop import VirtualClock, VirtualTimeLoop
 from bench.sim.profile import Profile
 from controlplane.config import ControlPlaneConfig
 from controlplane.metrics import ControlPlaneMetrics
-from controlplane.queue import RequestQueues
-from controlplane.scheduler import Scheduler
-from controlplane.view import ClusterView
+from controlplane.scheduler import build_scheduler
 from dsec.baselines import make_policy
 from dsec.httpkit import ApiError
-from dsec.models import AcquireRequest, Capacity, NodeReport, PoolParams, Usage
+from dsec.models import AcquireRequest, PoolParams
 from dsec.policy import Resources
-from dsec.states import ASSIGNED, OCCUPYING, SandboxState
+from dsec.states import ASSIGNED, OCCUPYING
 from dsec.trace import Episode
 
 SIM_TOKEN = "simulated-agent-token-0000"
@@ -55,6 +54,7 @@ def simulate(
     tick_s: float = 0.25,
     min_tick_gap_s: float = 0.0,
     sample_s: float = 1.0,
+    heartbeat_s: float = 1.0,
     horizon_s: float | None = None,
     trace_name: str = "",
     progress: bool | Callable[[float], None] = False,
@@ -71,7 +71,7 @@ def simulate(
                 cloud_nodes=cloud_nodes, seed=seed, time_scale=time_scale,
                 params=params or PoolParams(), profile=profile or Profile.default(seed=seed),
                 shared_engine=shared_engine, tick_s=tick_s, min_tick_gap_s=min_tick_gap_s,
-                sample_s=sample_s,
+                sample_s=sample_s, heartbeat_s=heartbeat_s,
                 horizon_s=horizon_s, trace_name=trace_name, progress=progress,
             )
         )  # fmt: skip
@@ -94,25 +94,18 @@ async def _simulate(loop: VirtualTimeLoop, episodes: list[Episode], **o) -> RunR
         heartbeat_timeout_s=60,
         policy=o["policy"],
     )
-    view = ClusterView(confirm_grace_s=0)
     agents = SimAgents(o["profile"], rng, o["shared_engine"])
-    metrics = ControlPlaneMetrics()
-    scheduler = Scheduler(
-        config, view, RequestQueues(), agents, clock, metrics, policy=make_policy(o["policy"])
+    # reports are never late here: each is the simulated agents' state at its instant
+    scheduler = build_scheduler(
+        config, agents, clock, policy=make_policy(o["policy"]), confirm_grace_s=0
     )
-    capacity = Capacity(cpus=1e4, memory_mb=1 << 40, slots=o["slots_per_node"])
-    template = config.templates["base"]
+    view, metrics = scheduler.view, scheduler.metrics
+    capacity = Resources(cpus=1e4, memory_mb=1 << 40, slots=o["slots_per_node"])
+    image = config.templates["base"].image
     for i in range(o["nodes"] + o["cloud_nodes"]):
         kind = "local" if i < o["nodes"] else "cloud"
-        node_id = f"{kind}-{i + 1}"
-        url = agents.add_node(
-            node_id, kind, Resources(capacity.cpus, capacity.memory_mb, capacity.slots)
-        )
-        view.apply_report(
-            NodeReport(node_id=node_id, kind=kind, url=url, capacity=capacity, usage=Usage(),
-                       images=[template.image], incarnation="sim"),
-            clock.now(),
-        )  # fmt: skip
+        node = agents.add_node(f"{kind}-{i + 1}", kind, capacity, {image})
+        scheduler.on_report(agents.report(node.id, clock.now()))  # it registers
 
     records: list[EpisodeRecord] = []
     timeline: list[TimelineSample] = []
@@ -131,7 +124,7 @@ async def _simulate(loop: VirtualTimeLoop, episodes: list[Episode], **o) -> RunR
         )  # fmt: skip
         records.append(record)
         try:
-            lease = await scheduler.acquire(
+            lease = await scheduler.leases.acquire(
                 AcquireRequest(pool=episode.pool, template=episode.template,
                                priority=episode.priority, timeout_s=ACQUIRE_TIMEOUT_S)
             )  # fmt: skip
@@ -142,7 +135,7 @@ async def _simulate(loop: VirtualTimeLoop, episodes: list[Episode], **o) -> RunR
         record.schedule_ms, record.path, record.node = lease.schedule_ms, lease.path, lease.node
         record.node_kind = agents.nodes[lease.node].kind
         await hold(episode, lease.id, lease.node, record, params.lease_idle_freeze_s)
-        await scheduler.release(lease.id, lease.lease_token)
+        await scheduler.leases.release(lease.id, lease.lease_token)
         record.released_at_s = clock.now()
 
     async def hold(episode, sandbox_id, node_id, record, freeze_after_s) -> None:
@@ -153,31 +146,21 @@ async def _simulate(loop: VirtualTimeLoop, episodes: list[Episode], **o) -> RunR
                 await asyncio.sleep(pending_s + think)
                 pending_s = 0.0
                 record.idle_s += think
-                thawed = await agents.thaw_for_exec(node_id, sandbox_id)
-                entry = view.sandboxes.get(sandbox_id)
-                if thawed and entry is not None and entry.state == SandboxState.LEASED_PAUSED:
-                    # what the agent's next heartbeat tells the live control plane
-                    view.move(entry, SandboxState.LEASED, clock.now())
+                await agents.thaw_for_exec(node_id, sandbox_id)  # its next report says so
             else:
                 pending_s += think
                 record.idle_s += think
             overhead = o["profile"].draw("exec", rng)
-            started_s = clock.now() + pending_s
-            agents.exec_window(node_id, started_s, started_s + overhead)
             took = work + overhead
+            agents.run_command(node_id, sandbox_id, clock.now() + pending_s, overhead, took)
             record.exec_s.append(took)
             record.busy_s += took
             busy[0] += took
             pending_s += took
-            entry = view.sandboxes.get(sandbox_id)
-            if entry is not None:
-                entry.idle_since = clock.now() + pending_s  # the agent reports the last exec
         await asyncio.sleep(pending_s)
 
     async def sample() -> None:
         while True:
-            for node in view.nodes.values():
-                node.last_seen = clock.now()  # simulated agents never miss a heartbeat
             by_state = {str(s): len(m) for s, m in view.by_state.items() if m}
             leased = sum(len(view.by_state[s]) for s in ASSIGNED)
             alive = sum(len(view.by_state[s]) for s in OCCUPYING)
@@ -188,15 +171,17 @@ async def _simulate(loop: VirtualTimeLoop, episodes: list[Episode], **o) -> RunR
 
     await agents.start()
     ticking = asyncio.ensure_future(scheduler.run_forever())
+    beating = asyncio.ensure_future(agents.heartbeat_forever(scheduler.on_report, o["heartbeat_s"]))
     sampling = asyncio.ensure_future(sample())
     playing = asyncio.gather(*(play(e) for e in episodes))
     try:
         await asyncio.wait_for(playing, o["horizon_s"])
     except TimeoutError:
         pass  # the horizon: what still runs is left as it is
-    for task in (ticking, sampling, *scheduler.tasks):
+    in_flight = (ticking, beating, sampling, *scheduler.actuator.tasks)
+    for task in in_flight:
         task.cancel()  # at the horizon, what is in flight stays unfinished
-    await asyncio.gather(ticking, sampling, *scheduler.tasks, return_exceptions=True)
+    await asyncio.gather(*in_flight, return_exceptions=True)
     scheduler.tick()  # account the last stretch of sandbox-seconds
     report_progress(None)
 
@@ -214,7 +199,7 @@ async def _simulate(loop: VirtualTimeLoop, episodes: list[Episode], **o) -> RunR
             "time_scale": scale, "nodes": o["nodes"], "cloud_nodes": o["cloud_nodes"],
             "slots_per_node": o["slots_per_node"], "profile": o["profile"].source,
             "shared_engine": o["shared_engine"],
-            "min_tick_gap_s": o["min_tick_gap_s"],
+            "min_tick_gap_s": o["min_tick_gap_s"], "heartbeat_s": o["heartbeat_s"],
             "wall_s": round(time.perf_counter() - started_wall, 3),
             "simulated_s": round(clock.now(), 3),
         },

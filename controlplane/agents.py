@@ -1,0 +1,148 @@
+"""The typed interface through which the control plane acts on nodes, and its HTTP
+implementation. The simulator implements the same interface (`bench.sim.agents`).
+
+Every call names its node (`AgentAddress`: an id and, for HTTP, a URL) and carries a
+request id, so an agent can recognise a retry. Failures come back as data in a
+`CallResult`, never raised: the next tick decides what to do about them.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Protocol
+
+import aiohttp
+from pydantic import BaseModel
+
+from dsec.models import CreateSandbox, LeaseGrant
+
+
+@dataclass(frozen=True)
+class CallResult:
+    ok: bool
+    status: int  # HTTP status; 0 when the agent could not be reached
+    code: str  # the agent's error code, or "unreachable"
+    message: str
+    busy_s: float | None = None  # a removal: what the sandbox ran, all time
+
+    @property
+    def refused(self) -> bool:
+        """The agent said no for good (no room, wrong node): try another node."""
+        return self.status in (409, 422)
+
+    @property
+    def node_fault(self) -> bool:
+        """The node failed (unreachable, or its agent or Docker broke), rather than
+        answering no: what counts towards taking it out of placement."""
+        return self.status == 0 or self.status >= 500
+
+    @property
+    def gone(self) -> bool:
+        """The agent no longer has the sandbox: for a removal, as good as done."""
+        return self.status in (404, 410)
+
+
+OK = CallResult(True, 200, "ok", "")
+
+
+class AgentAddress(Protocol):
+    """Where a node's agent is: the control plane's NodeEntry is one."""
+
+    id: str
+    url: str
+
+
+class AgentClient(Protocol):
+    """What the control plane asks of an agent: one method per operation."""
+
+    async def start(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+    async def create(self, node: AgentAddress, spec: CreateSandbox) -> CallResult:
+        """Create and start a sandbox (idempotent on spec.sandbox_id)."""
+
+    async def lease(self, node: AgentAddress, sandbox_id: str, grant: LeaseGrant) -> CallResult:
+        """Hand a sandbox to a client, thawing or restoring it first if it is frozen."""
+
+    async def pause(self, node: AgentAddress, sandbox_id: str) -> CallResult: ...
+
+    async def unpause(self, node: AgentAddress, sandbox_id: str) -> CallResult: ...
+
+    async def hibernate(self, node: AgentAddress, sandbox_id: str) -> CallResult:
+        """Keep a paused sandbox's files, remove its container."""
+
+    async def destroy(self, node: AgentAddress, sandbox_id: str) -> CallResult:
+        """Remove a sandbox and all it keeps; `busy_s` says what it ran, all time."""
+
+
+class HttpAgents:
+    """AgentClient over the agents' HTTP API (`agent.app`)."""
+
+    def __init__(self, agent_token: str, timeout_s: float = 30.0) -> None:
+        self.agent_token = agent_token
+        self.timeout_s = timeout_s
+        self.http: aiohttp.ClientSession | None = None
+
+    async def start(self) -> None:
+        self.http = aiohttp.ClientSession(
+            headers={"Authorization": f"Bearer {self.agent_token}"},
+            timeout=aiohttp.ClientTimeout(total=self.timeout_s),
+            connector=aiohttp.TCPConnector(limit=0, limit_per_host=64),
+        )
+
+    async def close(self) -> None:
+        if self.http is not None:
+            await self.http.close()
+
+    async def create(self, node: AgentAddress, spec: CreateSandbox) -> CallResult:
+        return await self._call("POST", f"{node.url}/v1/sandboxes", spec, spec.request_id)
+
+    async def lease(self, node: AgentAddress, sandbox_id: str, grant: LeaseGrant) -> CallResult:
+        url = f"{node.url}/v1/sandboxes/{sandbox_id}/lease"
+        return await self._call("POST", url, grant, grant.request_id)
+
+    async def pause(self, node: AgentAddress, sandbox_id: str) -> CallResult:
+        return await self._verb(node, sandbox_id, "pause")
+
+    async def unpause(self, node: AgentAddress, sandbox_id: str) -> CallResult:
+        return await self._verb(node, sandbox_id, "unpause")
+
+    async def hibernate(self, node: AgentAddress, sandbox_id: str) -> CallResult:
+        return await self._verb(node, sandbox_id, "hibernate")
+
+    async def destroy(self, node: AgentAddress, sandbox_id: str) -> CallResult:
+        return await self._call("DELETE", f"{node.url}/v1/sandboxes/{sandbox_id}", None, sandbox_id)
+
+    async def _verb(self, node: AgentAddress, sandbox_id: str, verb: str) -> CallResult:
+        url = f"{node.url}/v1/sandboxes/{sandbox_id}/{verb}"
+        return await self._call("POST", url, None, sandbox_id)
+
+    async def _call(
+        self, method: str, url: str, body: BaseModel | None, request_id: str
+    ) -> CallResult:
+        assert self.http is not None, "HttpAgents.start() was not awaited"
+        headers = {"X-Request-Id": request_id}
+        data = None
+        if body is not None:
+            data = body.model_dump_json()
+            headers["Content-Type"] = "application/json"
+        try:
+            async with self.http.request(method, url, data=data, headers=headers) as resp:
+                text = await resp.text()
+                try:
+                    payload = json.loads(text) if text else None
+                except json.JSONDecodeError:
+                    payload = None
+                payload = payload if isinstance(payload, dict) else {}
+                if resp.status < 300:
+                    busy_s = payload.get("busy_s")
+                    return CallResult(True, resp.status, "ok", "", busy_s=busy_s)
+                err = payload.get("error")
+                err = err if isinstance(err, dict) else {}
+                return CallResult(
+                    False, resp.status, err.get("code", "http_error"), err.get("message", text)
+                )
+        except (aiohttp.ClientError, TimeoutError, OSError) as e:
+            return CallResult(False, 0, "unreachable", f"{type(e).__name__}: {e}")
