@@ -158,20 +158,17 @@ class Leases:
     async def acquire(self, body: AcquireRequest, owner: str | None = None) -> Lease:
         """`owner` is the client asking (dsec.tokens.client_id of its token); None for a
         caller in this process, such as the simulator."""
-        if body.pool not in self.config.pools:
-            raise ApiError(
-                422,
-                "unknown_pool",
-                f"no pool named {body.pool!r}",
-                [{"loc": "pool", "msg": f"known: {sorted(self.config.pools)}"}],
-            )
-        if body.template not in self.config.templates:
-            raise ApiError(
-                422,
-                "unknown_template",
-                f"no template named {body.template!r}",
-                [{"loc": "template", "msg": f"known: {sorted(self.config.templates)}"}],
-            )
+        for field, name, known in (
+            ("pool", body.pool, self.config.pools),
+            ("template", body.template, self.config.templates),
+        ):
+            if name not in known:
+                raise ApiError(
+                    422,
+                    f"unknown_{field}",
+                    f"no {field} named {name!r}",
+                    [{"loc": field, "msg": f"known: {sorted(known)}"}],
+                )
         key = scoped_key(owner, body.idempotency_key)
         if key is not None and key not in self.by_key:
             await self._resync(body.timeout_s)

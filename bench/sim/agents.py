@@ -330,24 +330,46 @@ class SimAgents:
         async with node.slots:
             await self._take(op, node)
 
-    def _find(self, address: AgentAddress, op: str, sandbox_id: str):
-        """The node and sandbox a call is about, or the answer a live agent would give."""
+    def _node(self, address: AgentAddress, op: str) -> SimNode | CallResult:
+        """The node a call goes to, or the answer its agent gives instead (it is down or
+        unknown, or a fault was injected for `op`)."""
         node = self.nodes.get(address.id)
         if node is None:
             return CallResult(False, 0, "unreachable", f"no node {address.id}")
-        if (fault := node.fault(op)) is not None:
-            return fault
+        return node.fault(op) or node
+
+    async def _on_sandbox(
+        self, address: AgentAddress, op: str, sandbox_id: str, *args
+    ) -> CallResult:
+        """Do `op` (the method `_<op>`) on a sandbox of the node, or answer as its agent
+        would when it cannot."""
+        node = self._node(address, op)
+        if isinstance(node, CallResult):
+            return node
         sb = node.sandboxes.get(sandbox_id)
         if sb is None:
             return CallResult(False, 404, "unknown_sandbox", f"no sandbox {sandbox_id}")
-        return node, sb
+        return await getattr(self, f"_{op}")(node, sandbox_id, sb, *args)
+
+    async def lease(self, address: AgentAddress, sandbox_id: str, grant: LeaseGrant) -> CallResult:
+        return await self._on_sandbox(address, "lease", sandbox_id, grant)
+
+    async def pause(self, address: AgentAddress, sandbox_id: str) -> CallResult:
+        return await self._on_sandbox(address, "pause", sandbox_id)
+
+    async def unpause(self, address: AgentAddress, sandbox_id: str) -> CallResult:
+        return await self._on_sandbox(address, "unpause", sandbox_id)
+
+    async def hibernate(self, address: AgentAddress, sandbox_id: str) -> CallResult:
+        return await self._on_sandbox(address, "hibernate", sandbox_id)
+
+    async def destroy(self, address: AgentAddress, sandbox_id: str) -> CallResult:
+        return await self._on_sandbox(address, "destroy", sandbox_id)
 
     async def create(self, address: AgentAddress, spec: CreateSandbox) -> CallResult:
-        node = self.nodes.get(address.id)
-        if node is None:
-            return CallResult(False, 0, "unreachable", f"no node {address.id}")
-        if (fault := node.fault("create")) is not None:
-            return fault
+        node = self._node(address, "create")
+        if isinstance(node, CallResult):
+            return node
         if spec.sandbox_id in node.sandboxes:
             return OK
         if spec.template.image not in node.images:
@@ -364,11 +386,9 @@ class SimAgents:
         sb.state = S.WARM
         return CallResult(True, 201, "ok", "")
 
-    async def lease(self, address: AgentAddress, sandbox_id: str, grant: LeaseGrant) -> CallResult:
-        found = self._find(address, "lease", sandbox_id)
-        if isinstance(found, CallResult):
-            return found
-        node, sb = found
+    async def _lease(
+        self, node: SimNode, sandbox_id: str, sb: SimSandbox, grant: LeaseGrant
+    ) -> CallResult:
         if self.profile.contended:
             # what the same tick started (the refill a claim makes) is under way first
             await asyncio.sleep(0)
@@ -387,32 +407,20 @@ class SimAgents:
         sb.busy_until = max(sb.busy_until, asyncio.get_running_loop().time())
         return OK
 
-    async def pause(self, address: AgentAddress, sandbox_id: str) -> CallResult:
-        found = self._find(address, "pause", sandbox_id)
-        if isinstance(found, CallResult):
-            return found
-        node, sb = found
+    async def _pause(self, node: SimNode, sandbox_id: str, sb: SimSandbox) -> CallResult:
         await self._take("pause", node)
         if sb.state in PAUSED_FROM:
             sb.state = PAUSED_FROM[sb.state]
             sb.frozen_at = asyncio.get_running_loop().time()
         return OK
 
-    async def unpause(self, address: AgentAddress, sandbox_id: str) -> CallResult:
-        found = self._find(address, "unpause", sandbox_id)
-        if isinstance(found, CallResult):
-            return found
-        node, sb = found
+    async def _unpause(self, node: SimNode, sandbox_id: str, sb: SimSandbox) -> CallResult:
         await self._take("unpause", node)
         if sb.state in THAWED_FROM:
             sb.state, sb.frozen_at = THAWED_FROM[sb.state], None
         return OK
 
-    async def hibernate(self, address: AgentAddress, sandbox_id: str) -> CallResult:
-        found = self._find(address, "hibernate", sandbox_id)
-        if isinstance(found, CallResult):
-            return found
-        node, sb = found
+    async def _hibernate(self, node: SimNode, sandbox_id: str, sb: SimSandbox) -> CallResult:
         if sb.state not in HIBERNATED_FROM:
             return CallResult(False, 409, "not_paused", f"sandbox {sandbox_id} is {sb.state}")
         await self._engine_op(node, "commit")
@@ -421,11 +429,7 @@ class SimAgents:
         node.occupy(sb.needs, -1)  # memory released: the files stay on disk
         return OK
 
-    async def destroy(self, address: AgentAddress, sandbox_id: str) -> CallResult:
-        found = self._find(address, "destroy", sandbox_id)
-        if isinstance(found, CallResult):
-            return found
-        node, sb = found
+    async def _destroy(self, node: SimNode, sandbox_id: str, sb: SimSandbox) -> CallResult:
         if sb.state != S.HIBERNATED:
             await self._engine_op(node, "remove")
             node.occupy(sb.needs, -1)
