@@ -34,7 +34,9 @@ from agent.docker_driver import (
     AsyncDocker,
     DockerOpError,
 )
+from agent.engine import Work
 from agent.metrics import AgentMetrics
+from agent.reset import kill_and_empty_script, leftovers, main_of, reset_dirs, verify_script
 from agent.store import SandboxRecord, SandboxStore
 from dsec.clock import Clock
 from dsec.httpkit import (
@@ -59,6 +61,7 @@ from dsec.models import (
     NodeKind,
     NodeReport,
     Released,
+    ResetSandbox,
     SandboxReport,
     TemplateSpec,
     Usage,
@@ -66,13 +69,22 @@ from dsec.models import (
 )
 from dsec.policy import Resources
 from dsec.recent import TOMBSTONES, RecentMap
-from dsec.states import HIBERNATED_FROM, PAUSED_FROM, THAWED_FROM, SandboxState, transition
+from dsec.states import (
+    ASSIGNED,
+    HIBERNATED_FROM,
+    PAUSED_FROM,
+    THAWED_FROM,
+    SandboxState,
+    transition,
+)
 from dsec.tokens import lease_token
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 AUDIT_READ_LIMIT = 10_000  # records one GET /v1/audit answers at most
 HIBERNATED_REPOSITORY = "dsec-hibernated"
+RESET_ROUNDS = 3  # kills a reset tries before it gives up on commands that keep running
+RESET_EXEC_WAIT_S = 2.0  # how long a round waits for the killed commands' calls to end
 
 
 def _write_file(path: Path, data: bytes) -> None:
@@ -105,6 +117,7 @@ class Sandbox:
     busy_s: float = 0.0
     running_execs: int = 0
     frozen_at: float | None = None  # set when paused, kept through hibernation
+    reset_from: str | None = None  # the lease its last reset ended (a retry finds it done)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     @property
@@ -203,6 +216,7 @@ class Agent:
             sandboxes=[s.report(now) for s in self.sandboxes.values()],
             incarnation=self.incarnation,
             engine_ok=self.engine_ok,
+            create_limit=self.docker.engine.creates.limit,
         )
 
     # --- lifecycle ------------------------------------------------------------
@@ -226,6 +240,7 @@ class Agent:
         existing = self.sandboxes.get(req.sandbox_id)
         if existing is not None:
             return existing, False
+        work = Work.CREATE_FOR_REQUEST if req.for_request else Work.CREATE_WARM
         self._require_engine()
         if not self.has_room_for(req.template):
             raise ApiError(
@@ -247,6 +262,7 @@ class Agent:
                 f"dsec-{req.sandbox_id}",
                 req.template,
                 self.labels_for(req.sandbox_id, req.pool, req.template.name),
+                work,
             )
             await self.store.put(record)
         except DockerOpError as e:
@@ -254,7 +270,7 @@ class Agent:
             self._docker_failed(e)
             if record.container_id:
                 with contextlib.suppress(DockerOpError):
-                    await self.docker.remove(record.container_id)
+                    await self.docker.remove(record.container_id, work)
             # an image this node lacks, or a template Docker refuses or cannot start, is a
             # refusal of the placement (the control plane tries elsewhere), not a failure
             # of Docker
@@ -283,10 +299,12 @@ class Agent:
                 return sandbox  # a retry of the same grant
             # while the engine is away its containers may be dead: hand none out
             self._require_engine()
-            if sandbox.record.lease_id is not None:
+            # (leased with no lease id: a reset ended its lease, and failed: it goes)
+            if sandbox.record.lease_id is not None or sandbox.state in ASSIGNED:
                 raise ApiError(409, "already_leased", f"sandbox {sandbox_id} is leased already")
             if sandbox.state == SandboxState.PAUSED:
-                await self._docker_or_502(self.docker.unpause(sandbox.record.container_id))
+                container_id = sandbox.record.container_id
+                await self._docker_or_502(self.docker.unpause(container_id, Work.CLIENT))
             elif sandbox.state == SandboxState.HIBERNATED:
                 await self._restore_locked(sandbox)
             sandbox.frozen_at = None
@@ -325,7 +343,7 @@ class Agent:
                 )
             record, spec = sandbox.record, sandbox.spec
             cid = record.container_id
-            await self._docker_or_502(self.docker.unpause(cid))  # tar runs inside it
+            await self._docker_or_502(self.docker.unpause(cid, Work.FREEZE))  # tar runs inside
             try:
                 archive = await self.docker.archive_dir(cid, spec.workdir, spec.workdir_mb << 20)
                 image = await self.docker.commit(cid, HIBERNATED_REPOSITORY, sandbox_id)
@@ -336,7 +354,7 @@ class Agent:
                 raise ApiError(502, f"docker_{e.kind}", str(e)) from e
             path = self.hibernated_dir / f"{sandbox_id}.tar"
             await asyncio.to_thread(_write_file, path, archive)
-            await self._docker_or_502(self.docker.remove(cid))
+            await self._docker_or_502(self.docker.remove(cid, Work.FREEZE))
             record.container_id, record.hibernated_image = "", image
             record.archive_path = str(path)
             await self.store.put(record)
@@ -355,13 +373,14 @@ class Agent:
                 f"dsec-{record.id}",
                 spec_from_snapshot,
                 self.labels_for(record.id, record.pool, spec.name),
+                Work.CLIENT,  # a lease waits for this restore
             )
             await self.docker.restore_dir(record.container_id, spec.workdir, archive)
         except DockerOpError as e:
             self._docker_failed(e)
             if record.container_id:
                 with contextlib.suppress(DockerOpError):
-                    await self.docker.remove(record.container_id)
+                    await self.docker.remove(record.container_id, Work.CLIENT)
                 record.container_id = ""
             raise ApiError(502, f"docker_{e.kind}", str(e)) from e
         await asyncio.to_thread(Path(record.archive_path).unlink, True)
@@ -370,39 +389,150 @@ class Agent:
     async def unpause(self, sandbox_id: str) -> Sandbox:
         sandbox = self.get(sandbox_id)
         async with sandbox.lock:
-            await self._thaw_locked(sandbox)
+            await self._thaw_locked(sandbox, Work.THAW)
             return sandbox
 
-    async def _thaw_locked(self, sandbox: Sandbox) -> None:
+    async def _thaw_locked(self, sandbox: Sandbox, work: Work) -> None:
         target = THAWED_FROM.get(sandbox.state)
         if target is None:
             return
-        await self._docker_or_502(self.docker.unpause(sandbox.record.container_id))
+        await self._docker_or_502(self.docker.unpause(sandbox.record.container_id, work))
         sandbox.move(target)
         sandbox.frozen_at = None
         sandbox.last_active = self.clock.now()
 
     async def destroy(self, sandbox_id: str) -> float | None:
         """Remove a sandbox; idempotent (a second call finds it released). Returns the
-        time it spent running commands, the last word on it for the control plane."""
+        time it spent running commands, the last word on it for the control plane.
+
+        The hot path only stops it: a kill, at once, so it uses no CPU or memory and its
+        slot is free. Removing the container, its snapshot image and archive is the
+        engine's last work (`Work.REMOVE`), done when nothing else waits; its label
+        names this node, so an agent that restarts first removes it then (`adopt`)."""
         if sandbox_id in self.released:
             return None
         sandbox = self.get(sandbox_id)
         async with sandbox.lock:
             if sandbox_id not in self.sandboxes:
                 return None  # removed while we waited for the lock
+            frozen = sandbox.state in THAWED_FROM  # a frozen container takes no kill
             sandbox.move(SandboxState.DESTROYING)
             record = sandbox.record
             if record.container_id:
-                await self._docker_or_502(self.docker.remove(record.container_id))
-            if record.hibernated_image:
-                await self._docker_or_502(self.docker.remove_image(record.hibernated_image))
-            if record.archive_path:
-                await asyncio.to_thread(Path(record.archive_path).unlink, True)
+                stop = (
+                    self.docker.remove(record.container_id, Work.CLIENT)
+                    if frozen
+                    else self.docker.kill(record.container_id)
+                )
+                await self._docker_or_502(stop)
             await self.store.delete(sandbox_id)
             self.sandboxes.pop(sandbox_id, None)
             self._remember_released(sandbox_id)
+            self._remove_later(record)
             return sandbox.busy_s
+
+    def _remove_later(self, record: SandboxRecord) -> None:
+        """Remove what a destroyed sandbox leaves (its stopped container, snapshot image,
+        work dir archive) when the engine is quiet; shutdown waits for it."""
+
+        async def remove() -> None:
+            try:
+                if record.container_id:
+                    await self.docker.remove(record.container_id)
+                if record.hibernated_image:
+                    await self.docker.remove_image(record.hibernated_image)
+            except DockerOpError as e:  # the container is labelled: adoption removes it
+                self._docker_failed(e)
+                log.warning("removing what %s left failed: %s", record.id, e)
+            if record.archive_path:
+                await asyncio.to_thread(Path(record.archive_path).unlink, True)
+
+        task = asyncio.ensure_future(remove())
+        self.operations.add(task)
+        task.add_done_callback(self.operations.discard)
+
+    # --- recycling ----------------------------------------------------------------
+
+    async def reset(self, sandbox_id: str, req: ResetSandbox) -> Sandbox:
+        """Recycle a released sandbox (agent/reset.py): end lease `req.lease_id`, kill
+        every process but PID 1 and the template's command, empty the work dir, /tmp and
+        /dev/shm, check, and make it warm again. A retry of a reset that is done answers
+        as it did. A reset that fails or does not check out removes the sandbox here (it
+        is never handed out, even if the control plane never asks) and answers
+        `reset_failed`: 409 when the sandbox is at fault, 502 when Docker is."""
+        sandbox = self.get(sandbox_id)
+        async with sandbox.lock:
+            record = sandbox.record
+            if sandbox.reset_from == req.lease_id and sandbox.state == SandboxState.WARM:
+                return sandbox  # a retry
+            if record.lease_id != req.lease_id or sandbox.state not in ASSIGNED:
+                raise ApiError(
+                    409, "lease_mismatch", f"sandbox {sandbox_id} is not leased to {req.lease_id}"
+                )
+            self._require_engine()
+            # No command of the ending lease starts from here (exec looks again under the
+            # lock). The store keeps the lease until the reset checks out: an agent that
+            # restarts meanwhile adopts the sandbox as leased, and the control plane, whose
+            # reset call failed, removes it.
+            record.lease_id = None
+            started = self.clock.now()
+            try:
+                await self._reset_locked(sandbox)
+            except ApiError as e:
+                code = "reset_failed"
+                failure = ApiError(e.status, code, e.message if e.code == code else str(e))
+            else:
+                record.owner = record.idempotency_key = None
+                record.labels = {}
+                await self.store.put(record)
+                sandbox.move(SandboxState.WARM)
+                sandbox.reset_from = req.lease_id
+                sandbox.last_active = self.clock.now()
+                log.debug("reset %s in %.0f ms", sandbox_id, (sandbox.last_active - started) * 1e3)
+                return sandbox
+        log.warning("reset of %s failed, removing it: %s", sandbox_id, failure.message)
+        with contextlib.suppress(ApiError):
+            await self.destroy(sandbox_id)
+        raise failure
+
+    async def _reset_locked(self, sandbox: Sandbox) -> None:
+        spec, cid = sandbox.spec, sandbox.record.container_id
+        await self._thaw_locked(sandbox, Work.CLIENT)  # a frozen lease: LEASED again first
+        dirs = reset_dirs(spec.workdir)
+        main = None
+        for _ in range(RESET_ROUNDS):
+            main = main_of(await self._reset_run("reset", cid, kill_and_empty_script(dirs), spec))
+            # commands of the ended lease were killed: their calls end now (one whose start
+            # raced the kill is killed by the next round)
+            if await self._execs_ended(sandbox, RESET_EXEC_WAIT_S):
+                break
+        else:
+            raise ApiError(409, "reset_failed", "commands of the ended lease are still running")
+        out = await self._reset_run("reset_verify", cid, verify_script(dirs), spec)
+        if problems := leftovers(out, main or "?"):
+            raise ApiError(409, "reset_failed", f"not clean after the reset: {'; '.join(problems)}")
+
+    async def _reset_run(self, op: str, container_id: str, script: str, spec: TemplateSpec) -> str:
+        try:
+            code, out, err = await self.docker.run_as(op, container_id, script, spec.user)
+        except DockerOpError as e:
+            self._docker_failed(e)
+            # a container that stopped (its main command died) is the sandbox's fault
+            status = 409 if e.kind in ("conflict", "not_found") else 502
+            raise ApiError(status, "reset_failed", str(e)) from e
+        text = out.decode("utf-8", "replace")
+        if code != 0:
+            said = (text + err.decode("utf-8", "replace")).strip()[-300:]
+            raise ApiError(409, "reset_failed", f"{op} exited with {code}: {said}")
+        return text
+
+    async def _execs_ended(self, sandbox: Sandbox, timeout_s: float) -> bool:
+        deadline = self.clock.now() + timeout_s
+        while sandbox.running_execs:
+            if self.clock.now() >= deadline:
+                return False
+            await self.clock.sleep(0.01)
+        return True
 
     def _remember_released(self, sandbox_id: str) -> None:
         self.released.add(sandbox_id)
@@ -455,7 +585,7 @@ class Agent:
             duration_ms=0.0,
         )
         try:
-            result = await self._run(sandbox, req, started)
+            result = await self._run(sandbox, req, started, lease_id)
         except (ApiError, asyncio.CancelledError) as e:
             record.error = e.code if isinstance(e, ApiError) else "cancelled"
             record.duration_ms = (self.clock.now() - started) * 1000
@@ -469,10 +599,14 @@ class Agent:
         await self._audit(record)
         return result
 
-    async def _run(self, sandbox: Sandbox, req: ExecRequest, started: float) -> ExecResult:
+    async def _run(
+        self, sandbox: Sandbox, req: ExecRequest, started: float, lease_id: str
+    ) -> ExecResult:
         sandbox_id = sandbox.record.id
         async with sandbox.lock:  # a frozen lease is thawed before the command runs
-            await self._thaw_locked(sandbox)
+            if sandbox.record.lease_id != lease_id:  # released (or recycled) meanwhile
+                raise ApiError(410, "released", f"the lease on {sandbox_id} has ended")
+            await self._thaw_locked(sandbox, Work.CLIENT)
             sandbox.running_execs += 1
         try:
             out = await self.docker.exec(
@@ -595,7 +729,7 @@ class Agent:
                     continue
                 log.warning("sandbox %s died with the Docker engine", sandbox.record.id)
                 sandbox.move(SandboxState.DESTROYING)
-                await self.docker.remove(sandbox.record.container_id)
+                await self.docker.remove(sandbox.record.container_id, Work.FREEZE)
                 await self.store.delete(sandbox.record.id)
                 del self.sandboxes[sandbox.record.id]
                 self.lost.add(
@@ -630,6 +764,7 @@ class Agent:
         ) as http:
             while True:
                 self.metrics.sandboxes.labels(self.config.node_id).set(len(self.sandboxes))
+                self.metrics.observe_engine(self.docker.engine)
                 try:
                     async with http.put(url, data=self.report().model_dump_json()) as resp:
                         if resp.status >= 300:
@@ -644,6 +779,12 @@ class Agent:
         for sandbox_id in list(self.sandboxes):
             with contextlib.suppress(ApiError):
                 await self.destroy(sandbox_id)
+        await self.settle()  # the removals destroy leaves for a quiet engine
+
+    async def settle(self) -> None:
+        """Wait for every operation under way, and for what those start in turn."""
+        while self.operations:
+            await asyncio.gather(*list(self.operations), return_exceptions=True)
 
 
 def _exited(sandbox_id: str) -> ApiError:
@@ -698,6 +839,14 @@ async def hibernate_sandbox(request: web.Request) -> web.Response:
 async def unpause_sandbox(request: web.Request) -> web.Response:
     agent = _control_plane_only(request)
     sandbox = await agent.to_completion(agent.unpause(sandbox_id_param(request)))
+    return model_response(sandbox.report(agent.clock.now()))
+
+
+async def reset_sandbox(request: web.Request) -> web.Response:
+    agent = _control_plane_only(request)
+    sandbox_id = sandbox_id_param(request)
+    req = await read_model(request, ResetSandbox)
+    sandbox = await agent.to_completion(agent.reset(sandbox_id, req))
     return model_response(sandbox.report(agent.clock.now()))
 
 
@@ -805,6 +954,16 @@ def agent_api() -> Api:
     )
     api.route(
         "POST",
+        "/v1/sandboxes/{sandbox_id}/reset",
+        reset_sandbox,
+        body=ResetSandbox,
+        answer=SandboxReport,
+        summary="recycle a released sandbox: end its lease, kill its processes, empty its "
+        "work dir, /tmp and /dev/shm, check, make it warm (control plane only); a failed "
+        "reset removes it",
+    )
+    api.route(
+        "POST",
         "/v1/sandboxes/{sandbox_id}/exec",
         exec_in_sandbox,
         body=ExecRequest,
@@ -843,7 +1002,7 @@ def create_agent_app(agent: Agent) -> web.Application:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         # the control plane's requests cut short by the shutdown finish first
-        await asyncio.gather(*agent.operations, return_exceptions=True)
+        await agent.settle()
         if agent.config.cleanup_on_exit:
             await agent.remove_all()
         await agent.store.close()

@@ -26,6 +26,7 @@ import requests
 from docker.errors import APIError, DockerException, ImageNotFound, NotFound
 from docker.utils.socket import frames_iter
 
+from agent.engine import CREATES, CreateLimit, EngineQueue, Work
 from dsec.clock import Clock
 from dsec.models import TemplateSpec
 
@@ -158,6 +159,17 @@ class DockerDriver:
         except NotFound:
             pass  # already gone: removing is idempotent
 
+    def kill(self, container_id: str) -> None:
+        """Stop a container at once: its processes end and release CPU and memory; the
+        container itself stays until it is removed."""
+        try:
+            self.api.kill(container_id)
+        except NotFound:
+            pass  # already gone
+        except APIError as e:
+            if e.response is None or e.response.status_code != 409:
+                raise  # 409: not running (exited, or paused): nothing runs to stop
+
     def commit(self, container_id: str, repository: str, tag: str) -> str:
         self.api.commit(container_id, repository=repository, tag=tag, pause=False)
         return f"{repository}:{tag}"
@@ -252,6 +264,18 @@ class DockerDriver:
     def exec_exit_code(self, exec_id: str) -> int | None:
         return self.api.exec_inspect(exec_id).get("ExitCode")
 
+    def run_as(
+        self, container_id: str, script: str, user: str, timeout_s: float
+    ) -> tuple[int | None, bytes, bytes]:
+        """Run `sh -c script` in the container as `user` until it ends or `timeout_s`
+        passes without output: the agent's own commands (a reset, agent/reset.py), not
+        a client's. The exit code is None when it did not end."""
+        exec_id = self.api.exec_create(
+            container_id, ["sh", "-c", script], stdout=True, stderr=True, user=user
+        )["Id"]
+        out, err, _ = self.exec_stream(exec_id, 1 << 20, lambda s: s.settimeout(timeout_s))
+        return self.exec_exit_code(exec_id), out, err
+
     def exec_kill(self, exec_id: str) -> None:
         """Kill a timed-out command and everything it started.
 
@@ -284,7 +308,10 @@ def _descendants(pid: int) -> list[int]:
 
 
 class AsyncDocker:
-    """The driver's calls as coroutines, on bounded pools, timed per operation."""
+    """The driver's calls as coroutines, timed per operation. Each waits its turn in the
+    node's `EngineQueue` by the `Work` it is (agent/engine.py): a client's work on threads
+    of its own, the rest on `lifecycle_threads`, creates as many at once as `CreateLimit`
+    measures the engine takes."""
 
     def __init__(
         self,
@@ -299,44 +326,62 @@ class AsyncDocker:
         self.observe = observe
         self.lifecycle_pool = ThreadPoolExecutor(lifecycle_threads, "docker-op")
         self.exec_pool = ThreadPoolExecutor(exec_threads, "docker-exec")
+        self.engine = EngineQueue(lifecycle_threads, CreateLimit(), clock.now)
         # its own thread: a check never waits behind creates, and a hung one holds no other
         self.ping_pool = ThreadPoolExecutor(1, "docker-ping")
 
-    async def call(self, op: str, fn: Callable[..., T], *args: Any, pool=None) -> T:
+    async def call(
+        self, op: str, fn: Callable[..., T], *args: Any, work: Work = Work.CLIENT, pool=None
+    ) -> T:
         loop = asyncio.get_running_loop()
-        started = self.clock.now()
-        try:
-            return await loop.run_in_executor(pool or self.lifecycle_pool, fn, *args)
-        except DockerException as e:
-            raise DockerOpError(op, _error_kind(e), str(e)) from e
-        except (requests.exceptions.RequestException, OSError) as e:
-            raise DockerOpError(op, "engine_unreachable", str(e)) from e
-        finally:
-            self.observe(op, self.clock.now() - started)
+        if pool is None:
+            pool = self.exec_pool if work == Work.CLIENT else self.lifecycle_pool
+        async with self.engine.turn(work):
+            started = self.clock.now()
+            try:
+                return await loop.run_in_executor(pool, fn, *args)
+            except DockerException as e:
+                raise DockerOpError(op, _error_kind(e), str(e)) from e
+            except (requests.exceptions.RequestException, OSError) as e:
+                raise DockerOpError(op, "engine_unreachable", str(e)) from e
+            finally:
+                took = self.clock.now() - started
+                self.observe(op, took)
+                if work in CREATES:
+                    self.engine.creates.observe(took, self.engine.creating())
 
-    async def create(self, name: str, spec: TemplateSpec, labels: dict[str, str]) -> str:
-        return await self.call("create", self.driver.create, name, spec, labels)
+    async def create(
+        self, name: str, spec: TemplateSpec, labels: dict[str, str], work: Work
+    ) -> str:
+        return await self.call("create", self.driver.create, name, spec, labels, work=work)
 
     async def pause(self, container_id: str) -> None:
-        await self.call("pause", self.driver.pause, container_id)
+        await self.call("pause", self.driver.pause, container_id, work=Work.FREEZE)
 
-    async def unpause(self, container_id: str) -> None:
-        await self.call("unpause", self.driver.unpause, container_id)
+    async def unpause(self, container_id: str, work: Work) -> None:
+        await self.call("unpause", self.driver.unpause, container_id, work=work)
 
     async def running(self, container_id: str) -> bool:
         return await self.call("inspect", self.driver.running, container_id)
 
-    async def remove(self, container_id: str) -> None:
-        await self.call("remove", self.driver.remove, container_id)
+    async def kill(self, container_id: str) -> None:
+        await self.call("kill", self.driver.kill, container_id)
+
+    async def remove(self, container_id: str, work: Work = Work.REMOVE) -> None:
+        await self.call("remove", self.driver.remove, container_id, work=work)
 
     async def commit(self, container_id: str, repository: str, tag: str) -> str:
-        return await self.call("commit", self.driver.commit, container_id, repository, tag)
+        return await self.call(
+            "commit", self.driver.commit, container_id, repository, tag, work=Work.FREEZE
+        )
 
     async def remove_image(self, ref: str) -> None:
-        await self.call("remove_image", self.driver.remove_image, ref)
+        await self.call("remove_image", self.driver.remove_image, ref, work=Work.REMOVE)
 
     async def archive_dir(self, container_id: str, path: str, cap: int) -> bytes:
-        return await self.call("archive", self.driver.archive_dir, container_id, path, cap)
+        return await self.call(
+            "archive", self.driver.archive_dir, container_id, path, cap, work=Work.FREEZE
+        )
 
     async def restore_dir(self, container_id: str, path: str, archive: bytes) -> None:
         await self.call("restore", self.driver.restore_dir, container_id, path, archive)
@@ -349,6 +394,12 @@ class AsyncDocker:
 
     async def image_tags(self) -> list[str]:
         return await self.call("images", self.driver.image_tags)
+
+    async def run_as(
+        self, op: str, container_id: str, script: str, user: str, timeout_s: float = 60.0
+    ) -> tuple[int | None, bytes, bytes]:
+        """The agent's own script in a sandbox (DockerDriver.run_as), timed as `op`."""
+        return await self.call(op, self.driver.run_as, container_id, script, user, timeout_s)
 
     async def exec(
         self,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 
+from agent.engine import EngineQueue, Work
 from dsec.buckets import LATENCY_BUCKETS
 
 
@@ -44,12 +45,31 @@ class AgentMetrics:
             ["node"],
             registry=self.registry,
         )
+        self.create_limit = Gauge(
+            "dsec_agent_create_limit",
+            "Creates the engine runs at once before it only gets slower, as measured",
+            ["node"],
+            registry=self.registry,
+        )
+        self.engine_queue = Gauge(
+            "dsec_agent_engine_queue",
+            "Engine operations waiting their turn, by kind of work",
+            ["node", "work"],
+            registry=self.registry,
+        )
         self.heartbeat_failures = Counter(
             "dsec_agent_heartbeat_failures_total",
             "Heartbeats the control plane did not accept",
             ["node"],
             registry=self.registry,
         )
+
+    def observe_engine(self, engine: EngineQueue) -> None:
+        """The engine's queue as the heartbeat sees it: what waits, by kind of work, and
+        how many creates at once it takes."""
+        self.create_limit.labels(self.node_id).set(engine.creates.limit)
+        for work in Work:
+            self.engine_queue.labels(self.node_id, work.name.lower()).set(engine.queued(work))
 
     def observe_docker(self, op: str, seconds: float) -> None:
         self.docker_op.labels(self.node_id, op).observe(seconds)

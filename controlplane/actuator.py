@@ -21,7 +21,7 @@ from controlplane.metrics import ControlPlaneMetrics, SandboxSeconds
 from controlplane.queue import RequestQueues
 from controlplane.view import ClusterView, SandboxEntry
 from dsec.clock import Clock
-from dsec.models import CreateSandbox
+from dsec.models import CreateSandbox, ResetSandbox
 from dsec.policy import Create, Destroy, Hibernate, Pause, ProvisionCloud, ReleaseCloud, Thaw
 from dsec.states import HIBERNATED_FROM, PAUSED_FROM, THAWED_FROM, SandboxState
 
@@ -171,7 +171,11 @@ class Actuator:
         kind = "overflow" if node.kind == "cloud" else "create"
         self.metrics.scale_events.labels(action.pool, kind).inc()
         spec = CreateSandbox(
-            sandbox_id=entry.id, pool=action.pool, template=template, request_id=entry.id
+            sandbox_id=entry.id,
+            pool=action.pool,
+            template=template,
+            request_id=entry.id,
+            for_request=action.for_request is not None,
         )
 
         async def run() -> None:
@@ -244,6 +248,39 @@ class Actuator:
                 and node.healthy
             ):
                 self.destroy(entry, now, "destroy")
+
+    # --- recycling ----------------------------------------------------------------
+
+    def recycle(self, entry: SandboxEntry, lease_id: str, now: float) -> asyncio.Task | None:
+        """Reset a sandbox released from `lease_id` and put it back in the warm pool (a
+        pool with `recycle` on, a template that allows it; `Leases.release` has cleared
+        its lease fields, so its token is void while the agent works). The agent kills
+        every process but the template's own, empties the work dir, /tmp and /dev/shm and
+        checks; a reset that fails or does not check out is removed, never handed out."""
+        if entry.op_in_flight:
+            return None
+        req = ResetSandbox(lease_id=lease_id, request_id=f"reset-{lease_id}")
+        self.metrics.scale_events.labels(entry.pool, "recycle").inc()
+
+        async def run() -> None:
+            self._on_reset(entry, await self.call(entry, self.agents.reset, entry.id, req))
+
+        return self.spawn(entry, run())
+
+    def _on_reset(self, entry: SandboxEntry, result: CallResult) -> None:
+        now = self.clock.now()
+        self.sandbox_seconds.account(now)
+        if result.ok:
+            self.confirmed(entry, now)
+            self.view.move(entry, SandboxState.WARM, now)
+            entry.frozen_at = None
+            entry.idle_since = now
+            self.wake()
+            return
+        entry.op_in_flight = False
+        self.failed(entry, "reset", result)
+        self.destroy(entry, now, "destroy")  # not clean, or not known to be: it goes
+        self.wake()
 
     # --- freezing and thawing -----------------------------------------------------
 

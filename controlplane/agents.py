@@ -15,7 +15,7 @@ from typing import Protocol
 import aiohttp
 from pydantic import BaseModel
 
-from dsec.models import CreateSandbox, LeaseGrant
+from dsec.models import CreateSandbox, LeaseGrant, ResetSandbox
 
 
 @dataclass(frozen=True)
@@ -76,6 +76,10 @@ class AgentClient(Protocol):
     async def destroy(self, node: AgentAddress, sandbox_id: str) -> CallResult:
         """Remove a sandbox and all it keeps; `busy_s` says what it ran, all time."""
 
+    async def reset(self, node: AgentAddress, sandbox_id: str, req: ResetSandbox) -> CallResult:
+        """Recycle a released sandbox: end its lease, kill its processes, empty its work
+        dir, /tmp and /dev/shm, check, and make it warm again. Any failure: not warm."""
+
 
 class HttpAgents:
     """AgentClient over the agents' HTTP API (`agent.app`)."""
@@ -114,6 +118,10 @@ class HttpAgents:
 
     async def destroy(self, node: AgentAddress, sandbox_id: str) -> CallResult:
         return await self._call("DELETE", f"{node.url}/v1/sandboxes/{sandbox_id}", None, sandbox_id)
+
+    async def reset(self, node: AgentAddress, sandbox_id: str, req: ResetSandbox) -> CallResult:
+        url = f"{node.url}/v1/sandboxes/{sandbox_id}/reset"
+        return await self._call("POST", url, req, req.request_id)
 
     async def _verb(self, node: AgentAddress, sandbox_id: str, verb: str) -> CallResult:
         url = f"{node.url}/v1/sandboxes/{sandbox_id}/{verb}"

@@ -44,6 +44,8 @@ from dsec.models import (
     PoolInfo,
     PoolList,
     PoolParams,
+    PrewarmInfo,
+    PrewarmRequest,
     Released,
     SandboxInfo,
     SandboxList,
@@ -137,7 +139,11 @@ async def release(request: web.Request) -> web.Response:
     operator = token_matches(bearer_token(request), s.config.admin_tokens)
     proof = None if operator else request.headers.get(LEASE_TOKEN_HEADER, "")
     entry = await s.leases.release(sandbox_id_param(request), proof)
-    return model_response(Released(id=entry.id, state=SandboxState.GONE))
+    # recycled (pool parameter `recycle`): the sandbox is warm again, for another lease
+    recycled = entry.state == SandboxState.WARM
+    return model_response(
+        Released(id=entry.id, state=SandboxState.WARM if recycled else SandboxState.GONE)
+    )
 
 
 async def agent_heartbeat(request: web.Request) -> web.Response:
@@ -203,6 +209,15 @@ async def put_pool(request: web.Request) -> web.Response:
     return model_response(_pool_info(s, name))
 
 
+async def prewarm_pool(request: web.Request) -> web.Response:
+    s = _client(request)  # a trainer announcing its next burst is a client
+    name = request.match_info["name"]
+    if name not in s.config.pools:
+        raise ApiError(404, "unknown_pool", f"no pool named {name!r}")
+    body = await read_model(request, PrewarmRequest)
+    return model_response(s.prewarm(name, body))
+
+
 async def prometheus_sd(request: web.Request) -> web.Response:
     s = _scheduler(request)
     groups = [
@@ -253,7 +268,8 @@ def controlplane_api() -> Api:
         "/v1/sandboxes/{sandbox_id}",
         release,
         answer=Released,
-        summary="release a leased sandbox; it is removed",
+        summary="release a leased sandbox; it is removed (or reset and warm again, when "
+        "its pool recycles)",
     )
     api.route("GET", "/v1/nodes", list_nodes, answer=NodeList, summary="registered nodes")
     api.route("GET", "/v1/pools", list_pools, answer=PoolList, summary="pools and parameters")
@@ -264,6 +280,15 @@ def controlplane_api() -> Api:
         body=PoolParams,
         answer=PoolInfo,
         summary="set a pool's parameters live (admin); a bad value changes nothing",
+    )
+    api.route(
+        "POST",
+        "/v1/pools/{name}/prewarm",
+        prewarm_pool,
+        body=PrewarmRequest,
+        answer=PrewarmInfo,
+        summary="announce a burst: count warm sandboxes within within_s, held hold_s more, "
+        "then the normal warm target again; replaces the pool's last prewarm",
     )
     api.route(
         "PUT",

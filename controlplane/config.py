@@ -13,7 +13,16 @@ from dsec.models import Name, PoolParams, TemplateSpec
 
 
 def default_templates() -> dict[str, TemplateSpec]:
-    return {"base": TemplateSpec(name="base", image=BASE_IMAGE)}
+    # the base image has what a reset needs (sh, kill, rm, chmod): it may be recycled
+    return {"base": TemplateSpec(name="base", image=BASE_IMAGE, recyclable=True)}
+
+
+def not_recyclable(params: PoolParams, templates: dict[str, TemplateSpec]) -> list[str]:
+    """The templates of a pool with `recycle` on that do not allow it (empty when it is
+    off): such a pool is refused, by the config file and by PUT /v1/pools/{name}."""
+    if not params.recycle:
+        return []
+    return [t for t in params.templates if t in templates and not templates[t].recyclable]
 
 
 class ControlPlaneConfig(BaseModel):
@@ -62,4 +71,9 @@ class ControlPlaneConfig(BaseModel):
             unknown = [t for t in params.templates if t not in self.templates]
             if unknown:
                 raise ValueError(f"pool {pool!r} keeps unknown templates warm: {unknown}")
+            if refused := not_recyclable(params, self.templates):
+                raise ValueError(
+                    f"pool {pool!r} recycles templates that do not allow it "
+                    f"(recyclable: false): {refused}"
+                )
         return self

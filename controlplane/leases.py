@@ -25,7 +25,7 @@ from dsec.clock import Clock
 from dsec.httpkit import ApiError, token_matches
 from dsec.models import AcquireRequest, Lease, LeaseGrant, SandboxInfo
 from dsec.policy import Claim, Unplaceable
-from dsec.recent import TOMBSTONES
+from dsec.recent import TOMBSTONES, RecentMap
 from dsec.states import ASSIGNED, SandboxState
 from dsec.tokens import LEASE_TOKEN_HEADER, lease_token, new_lease_id
 
@@ -57,6 +57,9 @@ class Leases:
             config.state_dir / "spent-keys.jsonl" if config.state_dir else None, TOMBSTONES
         )
         self.started_at = clock.now()
+        # sandbox -> the lease it was last recycled from: a late release with that lease's
+        # token learns it was released, not that it is forbidden
+        self.recycled: RecentMap[str, str] = RecentMap(TOMBSTONES)
 
     # --- what the policy decided ------------------------------------------------------
 
@@ -272,6 +275,10 @@ class Leases:
                 proof, [lease_token(self.config.agent_token, entry.id, entry.lease_id)]
             )
         ):
+            if (old := self.recycled.get(sandbox_id)) and token_matches(
+                proof, [lease_token(self.config.agent_token, entry.id, old)]
+            ):
+                raise ApiError(409, "already_released", f"sandbox {sandbox_id} was released")
             raise ApiError(
                 403,
                 "forbidden",
@@ -282,16 +289,39 @@ class Leases:
             return entry  # still report it, and the tombstone makes that a removal
         if entry.state not in ASSIGNED:
             raise ApiError(409, "not_leased", f"sandbox {sandbox_id} is not leased")
+        if entry.lease_id is None:  # its lease ended already: a recycle is resetting it
+            raise ApiError(409, "already_released", f"sandbox {sandbox_id} is being released")
         self.metrics.episodes.labels(entry.pool).inc()
-        if key := scoped_key(entry.owner, entry.idempotency_key):
+        key = scoped_key(entry.owner, entry.idempotency_key)
+        lease_id, recycle = entry.lease_id, self.recycles(entry)
+        if recycle:
+            # the lease ends now, before anything is awaited: its token is void at once
+            self.recycled.add(entry.id, lease_id)
+            entry.lease_id = entry.owner = entry.idempotency_key = None
+            entry.labels = {}
+        if key:
             self.by_key.pop(key, None)
             await self.spent_keys.add(key, entry.id)
-        if (in_flight := self.actuator.in_flight(sandbox_id)) is not None:
-            await asyncio.shield(in_flight)  # a pause or thaw under way finishes first
-        task = self.actuator.destroy(entry, self.clock.now(), "release")
+        # a pause or thaw under way finishes first (one a tick started while the last was
+        # awaited too: the removal or reset below must not find a call in flight)
+        while (in_flight := self.actuator.in_flight(sandbox_id)) is not None:
+            await asyncio.shield(in_flight)
+        now = self.clock.now()
+        task = None
+        if recycle and entry.state in ASSIGNED:
+            task = self.actuator.recycle(entry, lease_id, now)
+        if task is None:
+            task = self.actuator.destroy(entry, now, "release")
         if task is not None:
-            await asyncio.shield(task)
+            await asyncio.shield(task)  # a recycle's answer: warm again, or removed
         return entry
+
+    def recycles(self, entry: SandboxEntry) -> bool:
+        """Whether releasing `entry` resets it into the warm pool instead of removing it:
+        its pool has `recycle` on and its template allows it (`recyclable`)."""
+        params = self.config.pools.get(entry.pool)
+        template = self.config.templates.get(entry.template)
+        return bool(params and params.recycle and template and template.recyclable)
 
     def learn(self, entries: list[SandboxEntry]) -> None:
         """Sandboxes a heartbeat taught the view (after a restart): their keys count again."""

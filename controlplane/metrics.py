@@ -9,7 +9,7 @@ nodes, pools, states, paths and actions, never sandbox ids.
 from __future__ import annotations
 
 from collections import Counter as Tally
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector
 from prometheus_client.core import GaugeMetricFamily
@@ -28,15 +28,30 @@ UNKNOWN_POOL = "_unknown"
 
 class ViewCollector(Collector):
     def __init__(
-        self, view: ClusterView, queues: RequestQueues, pools: Callable[[], list[str]], now
+        self,
+        view: ClusterView,
+        queues: RequestQueues,
+        pools: Callable[[], list[str]],
+        now,
+        prewarm_targets: Callable[[], Mapping[str, int]] = dict,
     ) -> None:
         self.view, self.queues, self.pools, self.now = view, queues, pools, now
+        self.prewarm_targets = prewarm_targets
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         depth = GaugeMetricFamily("dsec_queue_depth", "Acquire requests waiting", labels=["pool"])
+        prewarm = GaugeMetricFamily(
+            "dsec_prewarm_target",
+            "Warm sandboxes an active prewarm holds (its count less the acquires it served); "
+            "0 without one",
+            labels=["pool"],
+        )
+        targets = self.prewarm_targets()
         for pool in self.pools():
             depth.add_metric([pool], self.queues.depth(pool))
+            prewarm.add_metric([pool], targets.get(pool, 0))
         yield depth
+        yield prewarm
 
         by_state = Tally(
             (s.node, s.pool, s.state)

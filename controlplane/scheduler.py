@@ -20,20 +20,23 @@ import math
 from controlplane.actuator import Actuator
 from controlplane.agents import AgentClient
 from controlplane.cloud import CloudProvider
-from controlplane.config import ControlPlaneConfig
+from controlplane.config import ControlPlaneConfig, not_recyclable
 from controlplane.leases import Leases
 from controlplane.metrics import ControlPlaneMetrics, SandboxSeconds, ViewCollector
+from controlplane.prewarm import Prewarms
 from controlplane.queue import RequestQueues
 from controlplane.view import ClusterView
 from dsec.baselines import Policy, make_policy
 from dsec.clock import Clock
 from dsec.httpkit import ApiError
-from dsec.models import NodeReport, PoolParams
+from dsec.models import NodeReport, PoolParams, PrewarmInfo, PrewarmRequest
 from dsec.peaks import PeakTracker
 from dsec.policy import (
+    PREWARM_REASON,
     Action,
     Claim,
     CloudSnap,
+    Create,
     RequestSnap,
     Snapshot,
     TemplateSnap,
@@ -64,6 +67,7 @@ class Scheduler:
         self.policy = policy or make_policy(config.policy)
         self.cloud = cloud
         self.peaks = PeakTracker(config.peak_window_s)
+        self.prewarms = Prewarms()
         self.wakeup = asyncio.Event()
         self.sandbox_seconds = SandboxSeconds(view, metrics, clock.now())
         self.actuator = Actuator(
@@ -158,6 +162,7 @@ class Scheduler:
             peaks=self.peaks.peaks(now),
             leased={key: n for key, n in self.view.assigned.items() if n},
             cloud=cloud,
+            prewarms=self.prewarms.snaps(now),
             seed=self.ticks,
         )
 
@@ -165,10 +170,14 @@ class Scheduler:
         for action in actions:
             match action:
                 case Claim():
+                    if req := self.queues.get(action.request_id):
+                        self.prewarms.served(req.pool, req.template, now)
                     self.leases.claim(action, now)
                 case Unplaceable():
                     self.leases.unplaceable(action)
                 case _:
+                    if isinstance(action, Create) and action.reason == PREWARM_REASON:
+                        self.metrics.scale_events.labels(action.pool, "prewarm").inc()
                     self.actuator.carry_out(action, now)
 
     # --- what agents and operators say ------------------------------------------------
@@ -191,8 +200,24 @@ class Scheduler:
                 f"pool {name!r} names unknown templates",
                 [{"loc": "templates", "msg": f"unknown: {unknown}"}],
             )
+        if refused := not_recyclable(params, self.config.templates):
+            raise ApiError(
+                422,
+                "template_not_recyclable",
+                f"pool {name!r} cannot recycle templates that do not allow it: {refused}",
+                [{"loc": "recycle", "msg": f"templates with recyclable false: {refused}"}],
+            )
         self.config.pools[name] = params
         self.wake()
+
+    def prewarm(self, pool: str, body: PrewarmRequest) -> PrewarmInfo:
+        """An announced burst (controlplane/prewarm.py): raises `pool`'s warm target to
+        `body.count` until it expires; an ApiError says what does not fit."""
+        accepted = self.prewarms.accept(
+            pool, body, self.config, self.view, self.clock.now(), self.clock.wall()
+        )
+        self.wake()
+        return accepted
 
     async def drain(self) -> None:
         await self.actuator.drain()
@@ -217,5 +242,13 @@ def build_scheduler(
     view = ClusterView(confirm_grace_s=confirm_grace_s)
     queues = RequestQueues()
     scheduler = Scheduler(config, view, queues, agents, clock, metrics, cloud, policy)
-    metrics.watch(ViewCollector(view, queues, lambda: list(config.pools), clock.now))
+    metrics.watch(
+        ViewCollector(
+            view,
+            queues,
+            lambda: list(config.pools),
+            clock.now,
+            lambda: scheduler.prewarms.targets(clock.now()),
+        )
+    )
     return scheduler

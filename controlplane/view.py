@@ -32,6 +32,7 @@ class NodeEntry:
     failing_until: float = 0.0  # out of placement after failures, until then
     empty_since: float | None = None  # since when it holds no sandbox at all
     draining: bool = False  # being released: no placements
+    create_limit: int = 4  # creates it runs at once, as its agent measured
 
     def placeable(self, now: float) -> bool:
         """Takes work: new sandboxes, and claims of the ones it holds."""
@@ -94,6 +95,7 @@ class ClusterView:
         self.confirm_grace_s = confirm_grace_s
         self.by_state: dict[SandboxState, dict[str, SandboxEntry]] = {s: {} for s in SandboxState}
         self._used: dict[str, list[float]] = {}  # node -> [cpus, memory_mb, slots] occupied
+        self._creating: dict[str, int] = {}  # node -> creates under way
         self._by_node: dict[str, dict[str, SandboxEntry]] = {}  # of any state
         # (pool, node kind) -> occupying sandboxes; (pool, template) -> leased ones
         self.occupying: dict[tuple[str, str], int] = {}
@@ -108,6 +110,8 @@ class ClusterView:
 
     def _count(self, entry: SandboxEntry, sign: int) -> None:
         self._dirty_nodes.add(entry.node)
+        if entry.state == SandboxState.CREATING:
+            self._creating[entry.node] = self._creating.get(entry.node, 0) + sign
         if entry.state in OCCUPYING:
             acc = self._used.setdefault(entry.node, [0.0, 0, 0])
             acc[0] += sign * entry.cpus
@@ -215,6 +219,7 @@ class ClusterView:
             incarnation=report.incarnation,
             last_seen=now,
             engine_ok=report.engine_ok,
+            create_limit=report.create_limit,
         )
         self._dirty_nodes.add(node.id)
         if previous is not None:
@@ -332,6 +337,8 @@ class ClusterView:
                 n.images,
                 accepting=now >= n.refused_until,
                 empty_since=n.empty_since,
+                creating=self._creating.get(n.id, 0),
+                create_limit=n.create_limit,
             )
         self._dirty_nodes.clear()
         return tuple(self._node_snaps.values())

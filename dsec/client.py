@@ -33,6 +33,8 @@ from dsec.models import (
     PoolInfo,
     PoolList,
     PoolParams,
+    PrewarmInfo,
+    PrewarmRequest,
     Released,
     SandboxInfo,
     SandboxList,
@@ -220,6 +222,22 @@ class Client:
 
     async def set_pool(self, name: str, params: PoolParams) -> PoolInfo:
         return await self._call("PUT", f"{self.url}/v1/pools/{name}", PoolInfo, params)
+
+    async def prewarm(
+        self,
+        pool: str,
+        count: int,
+        within_s: float,
+        hold_s: float = 60.0,
+        *,
+        template: str | None = None,
+    ) -> PrewarmInfo:
+        """Announce a burst: `count` sandboxes of `pool` warm within `within_s`, held
+        `hold_s` more (the pool's first template unless `template` names one). A new
+        prewarm replaces the pool's last; count 0 ends it. A count beyond the pool's
+        max_warm or the nodes' room answers 422 saying what fits."""
+        body = PrewarmRequest(count=count, within_s=within_s, hold_s=hold_s, template=template)
+        return await self._call("POST", f"{self.url}/v1/pools/{pool}/prewarm", PrewarmInfo, body)
 
 
 def _error_from(status: int, text: str) -> DsecError:

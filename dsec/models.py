@@ -148,6 +148,12 @@ class TemplateSpec(Wire):
     command: list[str] = Field(
         default_factory=lambda: ["sleep", "2147483647"], min_length=1, max_length=64
     )
+    recyclable: bool = Field(
+        False,
+        description="a pool with `recycle` on may reset a released sandbox of this template "
+        "and hand it out again instead of removing it (needs sh, kill, rm and chmod in the "
+        "image)",
+    )
 
     @property
     def memory_limit_mb(self) -> int:
@@ -177,6 +183,11 @@ class PoolParams(Wire):
     refill_concurrency: int = Field(
         2, ge=1, le=10_000, description="warm-pool creates in flight at once, per template"
     )
+    recycle: bool = Field(
+        False,
+        description="reset a released sandbox and put it back in the warm pool instead of "
+        "removing it; only for templates that allow it (`recyclable`)",
+    )
     templates: list[Name] = Field(
         default_factory=lambda: ["base"], max_length=64, description="templates kept warm"
     )
@@ -197,6 +208,37 @@ class PoolInfo(Wire):
 
 class PoolList(Wire):
     pools: list[PoolInfo]
+
+
+MAX_PREWARM_S = 86_400.0
+
+
+class PrewarmRequest(Wire):
+    """An announced burst: `count` warm sandboxes ready within `within_s`, held `hold_s`
+    more, then the pool's normal warm target again. A new one replaces the pool's last."""
+
+    count: int = Field(
+        ge=0, le=100_000, description="warm sandboxes wanted; 0 ends the pool's prewarm"
+    )
+    within_s: float = Field(ge=0, le=MAX_PREWARM_S, description="when the burst starts, from now")
+    hold_s: float = Field(
+        60.0, ge=0, le=MAX_PREWARM_S, description="how long past within_s the raise holds"
+    )
+    template: Name | None = Field(None, description="the pool's first template unless named")
+
+
+class PrewarmInfo(Wire):
+    """An accepted prewarm."""
+
+    pool: Name
+    template: Name
+    count: int
+    within_s: float
+    hold_s: float
+    ready_by: float = Field(description="wall-clock time (Unix seconds) the count is wanted by")
+    until: float = Field(description="wall-clock time (Unix seconds) the raise ends")
+    warm: int = Field(description="sandboxes of the pool and template warm or on the way now")
+    replaced: bool = Field(description="it replaced an earlier prewarm of the pool")
 
 
 class Capacity(Wire):
@@ -242,6 +284,13 @@ class NodeReport(Wire):
     sandboxes: list[SandboxReport] = Field(default_factory=list, max_length=1_000_000)
     incarnation: str = Field(description="changes every time the agent process starts")
     engine_ok: bool = Field(True, description="the node's Docker engine answered its last check")
+    create_limit: int = Field(
+        4,
+        ge=1,
+        le=1024,
+        description="creates the node runs at once: past this its engine only gets slower "
+        "(the agent measures it)",
+    )
 
 
 class NodeInfo(Wire):
@@ -273,6 +322,9 @@ class CreateSandbox(Wire):
     pool: Name
     template: TemplateSpec
     request_id: str = Field(max_length=128)
+    for_request: bool = Field(
+        False, description="a client waits for it: the agent runs it before warm-pool creates"
+    )
 
 
 class LeaseGrant(Wire):
@@ -281,4 +333,13 @@ class LeaseGrant(Wire):
     idempotency_key: IdempotencyKey | None = None
     owner: ClientId | None = Field(None, description="the client the lease is for")
     labels: dict[LabelKey, LabelValue] = Field(default_factory=dict, max_length=32)
+    request_id: str = Field(max_length=128)
+
+
+class ResetSandbox(Wire):
+    """Recycle a released sandbox: end `lease_id` and make the sandbox warm again."""
+
+    lease_id: str = Field(
+        pattern=r"^[0-9a-f]{32}$", description="the lease it ends; a retry once ended is a no-op"
+    )
     request_id: str = Field(max_length=128)

@@ -18,8 +18,15 @@ One decision, in order (DSec's defaults, seed 004 section 4.2):
 3. Keep the warm target: warm_fraction of the recent peak of concurrency, within
    [min_warm, max_warm]; thaw paused sandboxes before creating, and pace creates
    (refill_concurrency) so refills do not starve the acquires they are for.
+   An announced burst (a prewarm: `count` within `within_s`, held `hold_s` more)
+   raises the target of its pool and template to its count less the acquires it
+   has served, within max_warm, until it expires: a burst of `count` acquires finds
+   `count` warm sandboxes and the pool does not refill behind it. Its creates are
+   not paced: all missing ones start at once, bounded by room on the nodes, so that
+   they are ready within `within_s` whatever refill_concurrency says.
 4. Scale down once the queue is safe (nothing waiting): warm sandboxes beyond the
-   target that idled past freeze_after are paused, scale_down_step of them a tick.
+   target (raised by an active prewarm) that idled past freeze_after are paused,
+   scale_down_step of them a tick.
 5. Age the frozen: paused past hibernate_after are hibernated (files kept, memory
    released), and frozen past frozen_ttl are destroyed.
 6. Pause leased sandboxes whose client ran nothing for lease_idle_freeze; the
@@ -88,6 +95,10 @@ class NodeSnap:
     images: frozenset[str] = frozenset()
     accepting: bool = True  # False for a while after it refused a placement
     empty_since: float | None = None  # when it last became empty, None while in use
+    creating: int = 0  # creates under way on it
+    # creates its engine runs at once before it only gets slower (its agent measures it):
+    # more are not placed there, so each create finishes as soon as the engine allows
+    create_limit: int = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -139,6 +150,17 @@ class CloudSnap:
 
 
 @dataclass(frozen=True)
+class PrewarmSnap:
+    """A pool's announced burst (`POST /v1/pools/{name}/prewarm`): rule 3 keeps `count`
+    less the acquires it has `served` warm for `template`, while now < `until`."""
+
+    template: str
+    count: int
+    until: float
+    served: int = 0
+
+
+@dataclass(frozen=True)
 class Snapshot:
     nodes: tuple[NodeSnap, ...]
     sandboxes: tuple[SandboxSnap, ...]
@@ -149,6 +171,7 @@ class Snapshot:
     # leased sandboxes now per (pool, template): what replica-counting baselines scale on
     leased: Mapping[tuple[str, str], int] = field(default_factory=dict)
     cloud: CloudSnap | None = None
+    prewarms: Mapping[str, PrewarmSnap] = field(default_factory=dict)  # by pool
     seed: int = 0  # varies sampling between ticks while keeping decide() deterministic
 
 
@@ -224,6 +247,9 @@ Action = (
 
 # What a claim costs, best first; the path it reports.
 CLAIM_TIERS = ((S.WARM, "warm"), (S.PAUSED, "thaw"), (S.HIBERNATED, "thaw"))
+# The reason of the creates an announced burst (a prewarm) makes: the control plane
+# counts them in dsec_scale_events_total{action="prewarm"} as well as create.
+PREWARM_REASON = "prewarm: warm pool below an announced burst"
 
 
 def warm_target(params: PoolParams, peak: int) -> int:
@@ -249,6 +275,7 @@ class Placement:
     def __init__(self, nodes: Iterable[NodeSnap], seed: int) -> None:
         self.nodes = {n.id: n for n in nodes}
         self.extra: dict[str, Resources] = {}
+        self.creates: dict[str, int] = {}  # creates placed by this decision, per node
         self.seed = seed
         self.unplaced_overflow = 0  # creates that wanted a cloud node and found none
         local = [n for n in self.nodes.values() if n.kind == "local" and n.healthy]
@@ -286,18 +313,26 @@ class Placement:
                 found.append(n)
         return found
 
+    def creates_queued(self, node: NodeSnap) -> float:
+        """How many rounds of its engine's creates a new create on `node` waits behind."""
+        return (node.creating + self.creates.get(node.id, 0)) / node.create_limit
+
     def place(
         self,
         template: TemplateSnap,
         overflow_threshold: float,
         key: object,
         exclude: frozenset[str] = frozenset(),
+        spare_engine_only: bool = False,
     ) -> NodeSnap | None:
         """Pick a node for one sandbox of `template`, or None if nothing fits.
 
         Local nodes first; cloud ones while local utilisation is past the overflow
         threshold (or local is full) and the template may leave. Among candidates,
-        those holding the image, then the most free capacity.
+        those holding the image, then the shortest queue of creates on their engine,
+        then the most free capacity. With `spare_engine_only` (a refill no request waits
+        for) it only goes where the engine has a create to spare: past its measured
+        limit it would only queue behind the creates that requests wait for.
         """
         needs = template.needs
         candidates = self.feasible("local", needs, exclude)
@@ -308,6 +343,8 @@ class Placement:
                 candidates = cloud
             else:
                 self.unplaced_overflow += 1
+        if spare_engine_only:
+            candidates = [n for n in candidates if self.creates_queued(n) < 1]
         if not candidates:
             return None
         if len(candidates) > SAMPLE_ABOVE:
@@ -316,11 +353,13 @@ class Placement:
             candidates,
             key=lambda n: (
                 template.image in n.images,
+                -self.creates_queued(n),
                 1.0 - (self.used(n) + needs).ratio_of(n.capacity),
                 n.id,  # a stable tie-break keeps decisions reproducible
             ),
         )
         self.extra[best.id] = self.extra.get(best.id, Resources()) + needs
+        self.creates[best.id] = self.creates.get(best.id, 0) + 1
         if best.kind == "local" and best.healthy:
             self.local_used = self.local_used + needs
         return best
@@ -366,30 +405,28 @@ class _Decision:
         self._lenders: dict[str, list[str]] = {}
         # unassigned sandboxes by (pool, template) and state, oldest first
         self.free: dict[tuple[str, str, SandboxState], list[SandboxSnap]] = {}
-        self.reserved: dict[str, SandboxSnap] = {}
-        self.creating: dict[tuple[str, str], int] = {}  # unreserved creates in flight
+        # creates under way per (pool, template); each waiting request served in this
+        # decision by one of them takes it, and what is left is the warm pool's
+        self.creating: dict[tuple[str, str], int] = {}
         self.leased: list[SandboxSnap] = []
-        waiting = {r.id for r in snapshot.requests}
         for sb in sorted(snapshot.sandboxes, key=lambda s: (s.since, s.id)):
-            # a reservation counts while its request waits; one left over (the request
-            # was served by another sandbox, or gave up) is just a free sandbox
-            mine = sb.reserved_for in waiting and sb.reserved_for not in self.reserved
-            if mine and sb.state in (S.WARM, S.CREATING):
-                self.reserved[sb.reserved_for] = sb
-            elif sb.state == S.CREATING:
+            # a sandbox created for a request is not kept for it: whatever is ready first
+            # goes to the oldest waiter (reserved_for only tells whose create it was)
+            if sb.state == S.CREATING:
                 key = (sb.pool, sb.template)
                 self.creating[key] = self.creating.get(key, 0) + 1
             elif sb.state in (S.WARM, S.PAUSED, S.HIBERNATED):
                 self.free.setdefault((sb.pool, sb.template, sb.state), []).append(sb)
             elif sb.state == S.LEASED:
                 self.leased.append(sb)
-        # waiting requests with no create under way for them: the queue-depth signal
+        # waiting requests beyond the creates under way: the queue-depth signal
         self.pending: dict[tuple[str, str], int] = {}
         self.waiting: dict[tuple[str, str], int] = {}
         for r in snapshot.requests:
             self.waiting[(r.pool, r.template)] = self.waiting.get((r.pool, r.template), 0) + 1
-            if r.id not in self.reserved:
-                self.pending[(r.pool, r.template)] = self.pending.get((r.pool, r.template), 0) + 1
+        for key, n in self.waiting.items():
+            if n > self.creating.get(key, 0):
+                self.pending[key] = n - self.creating.get(key, 0)
         # idle before this tick's claims: what the scale-up rule compares the queue with
         self.idle_before = {
             key: self.count(key, S.WARM) + self.count(key, S.PAUSED)
@@ -405,6 +442,24 @@ class _Decision:
 
     def count(self, key: tuple[str, str], state: SandboxState) -> int:
         return len(self.free.get((*key, state), []))
+
+    def normal_target(self, key: tuple[str, str], params: PoolParams) -> int:
+        """Rule 3's target without a prewarm: 0 for a template the pool does not keep warm."""
+        if key[1] not in params.templates:
+            return 0
+        return warm_target(params, self.snap.peaks.get(key, 0))
+
+    def prewarm_target(self, key: tuple[str, str], params: PoolParams) -> int:
+        """What an active prewarm holds warm for (pool, template): its count less the
+        acquires it has served, within max_warm; 0 when there is none or it expired."""
+        pw = self.snap.prewarms.get(key[0])
+        if pw is None or pw.template != key[1] or self.now >= pw.until:
+            return 0
+        # this tick's claims count as served too: the control plane learns of them only
+        # once they are applied, and the warm sandboxes they took must not be remade
+        asked = {r.id for r in self.snap.requests if (r.pool, r.template) == key}
+        now_served = sum(1 for a in self.actions if isinstance(a, Claim) and a.request_id in asked)
+        return max(0, min(params.max_warm, pw.count - pw.served - now_served))
 
     def priority(self, pool: str) -> int:
         params = self.pools.get(pool)
@@ -435,15 +490,12 @@ class _Decision:
                 self._create_for(req)
 
     def _claim_for(self, req: RequestSnap) -> bool:
-        mine = self.reserved.get(req.id)
-        if mine is not None and mine.state == S.WARM:
-            path = "overflow" if self._on_cloud(mine) else "cold"
-            self._claim(req, mine, path, "the sandbox created for it is ready")
-            return True
+        """Hand `req` a free sandbox, or one of the creates under way; False if neither."""
+        key = (req.pool, req.template)
         for state, path in CLAIM_TIERS:
             sb = self.take(req.pool, req.template, state)
             if sb is not None:
-                if sb.since > req.arrived_at:  # it waited for this sandbox to be made
+                if sb.since > req.arrived_at or sb.reserved_for == req.id:  # made for it
                     path = "overflow" if self._on_cloud(sb) else "cold"
                 self._claim(req, sb, path, f"a {state} sandbox of its pool was free")
                 return True
@@ -454,7 +506,10 @@ class _Decision:
                     reason = f"taken from lower-priority pool {lender} ({state})"
                     self._claim(req, sb, path, reason)
                     return True
-        return mine is not None  # its cold create is under way
+        if self.creating.get(key, 0) > 0:  # the next create to finish is its
+            self.creating[key] -= 1
+            return True
+        return False
 
     def _on_cloud(self, sb: SandboxSnap) -> bool:
         node = self.nodes.get(sb.node)
@@ -478,8 +533,10 @@ class _Decision:
     def grow(self) -> None:
         for pool_name in sorted(self.pools):
             params = self.pools[pool_name]
-            templates = sorted({*params.templates, *(t for p, t in self.pending if p == pool_name)})
-            for template_name in templates:
+            templates = {*params.templates, *(t for p, t in self.pending if p == pool_name)}
+            if (pw := self.snap.prewarms.get(pool_name)) is not None:
+                templates.add(pw.template)  # a prewarm may name a template not kept warm
+            for template_name in sorted(templates):
                 template = self.snap.templates.get(template_name)
                 if template is None:
                     continue
@@ -491,25 +548,53 @@ class _Decision:
                 # must not add a step on every tick
                 extra = min(room, max(0, step - self.creating.get(key, 0)))
                 self._create_warm(key, template, params, extra, "scale-up: pending > k x idle")
-                if template_name not in params.templates:
+                prewarm = self.prewarm_target(key, params)
+                if template_name not in params.templates and not prewarm:
                     continue
-                target = warm_target(params, self.snap.peaks.get(key, 0))
-                missing = target - warm_now - extra
+                normal = self.normal_target(key, params)
+                missing = max(normal, prewarm) - warm_now - extra
                 while missing > 0 and (sb := self.take(pool_name, template_name, S.PAUSED)):
                     self.actions.append(Thaw(sb.id, "warm pool below target: thaw before create"))
                     missing -= 1
+                if prewarm > normal:
+                    # an announced burst: every missing create starts now, bounded by room
+                    # on the nodes (placement), so that the count is ready within within_s;
+                    # pacing them at refill_concurrency would miss it at any size. The
+                    # agents order their engine's work themselves.
+                    self._create_warm(key, template, params, missing, PREWARM_REASON)
+                    continue
                 # paced: the engine serialises creates, so more in flight only steals CPU
                 # from the acquires the warm pool is there to serve
                 paced = params.refill_concurrency - self.creating.get(key, 0) - extra
                 self._create_warm(
-                    key, template, params, min(missing, paced), "warm pool below target"
+                    key,
+                    template,
+                    params,
+                    min(missing, paced),
+                    "warm pool below target",
+                    spare_engine_only=True,
                 )
 
     def _create_warm(
-        self, key: tuple[str, str], template: TemplateSnap, params: PoolParams, n: int, why: str
+        self,
+        key: tuple[str, str],
+        template: TemplateSnap,
+        params: PoolParams,
+        n: int,
+        why: str,
+        spare_engine_only: bool = False,
     ) -> None:
+        """`n` creates no request waits for. A refill (`spare_engine_only`) goes only where
+        an engine has a create to spare; a scale-up or a prewarm anticipates demand and is
+        placed anyway: the agents run every create a request waits for before it, and
+        whatever is ready first goes to the oldest waiter."""
         for i in range(max(0, n)):
-            node = self.placement.place(template, params.overflow_threshold, (*key, why, i))
+            node = self.placement.place(
+                template,
+                params.overflow_threshold,
+                (*key, why, i),
+                spare_engine_only=spare_engine_only,
+            )
             if node is None:
                 return
             self.actions.append(Create(node.id, key[0], key[1], None, why))
@@ -523,9 +608,8 @@ class _Decision:
                 if self.waiting.get(key, 0) > 0:
                     continue  # only once the queue is at a safe level
                 warm = self.free.get((*key, S.WARM), [])
-                target = 0
-                if template_name in params.templates:
-                    target = warm_target(params, self.snap.peaks.get(key, 0))
+                # an active prewarm holds its sandboxes: they are not paused before it ends
+                target = max(self.normal_target(key, params), self.prewarm_target(key, params))
                 excess = len(warm) - target
                 step = math.ceil(params.scale_down_step * len(warm))
                 idle_long = [sb for sb in warm if self.now - sb.since >= params.freeze_after_s]

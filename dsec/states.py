@@ -66,6 +66,14 @@ TRANSITIONS: dict[tuple[SandboxState, SandboxState], str] = {
     (S.LEASED, S.DESTROYING): "released by its client, or its container died with the engine",
     (S.LEASED_PAUSED, S.LEASED): "the client's next exec thawed it",
     (S.LEASED_PAUSED, S.DESTROYING): "released while frozen, or lost with the engine",
+    # Recycling (pool parameter `recycle`, templates that allow it): a released sandbox
+    # is reset (its processes killed, its work dir, /tmp and /dev/shm emptied, checked)
+    # and goes back to the warm pool instead of being removed. The agent thaws a frozen
+    # lease first (LEASED_PAUSED -> LEASED, an edge above), so it only ever takes
+    # LEASED -> WARM; the control plane, which learns the outcome in one answer, may see
+    # the sandbox go from LEASED_PAUSED straight to WARM.
+    (S.LEASED, S.WARM): "released and recycled: reset, checked clean, back in the warm pool",
+    (S.LEASED_PAUSED, S.WARM): "released while frozen and recycled: thawed, reset and checked",
     (S.DESTROYING, S.GONE): "the container is removed",
     # Any live state may be lost with its node; a lost sandbox can come back when the
     # node reports it again (a network blip, or an agent restart that adopted it).

@@ -20,7 +20,7 @@ import pytest
 import pytest_asyncio
 from inprocess import InProcessControlPlane, inprocess_controlplane
 
-from agent.docker_driver import LABEL_NODE
+from agent.docker_driver import LABEL_NODE, LABEL_SANDBOX
 from dsec.cli.up import LocalPool, LocalPoolSpec
 from dsec.client import Client
 from dsec.image import ensure_base_image
@@ -181,3 +181,18 @@ async def eventually(check, what: str = "", timeout: float = 30.0, interval: flo
         if time.monotonic() > deadline:
             raise AssertionError(f"not within {timeout} s: {what or check.__name__}")
         await asyncio.sleep(interval)
+
+
+async def assert_stopped_then_removed(docker_client: docker.DockerClient, sandbox_id: str):
+    """A released sandbox is stopped by the time its release answers, and its container
+    removed once its engine is quiet (within 30 s of waiting: agent/engine.py)."""
+
+    def container():
+        found = docker_client.containers.list(
+            all=True, filters={"label": f"{LABEL_SANDBOX}={sandbox_id}"}
+        )
+        return found[0] if found else None
+
+    stopped = container()
+    assert stopped is None or stopped.status != "running", f"{sandbox_id} still runs"
+    await eventually(lambda: container() is None, f"the removal of {sandbox_id}", 40)

@@ -16,10 +16,9 @@ from collections.abc import AsyncIterator
 import aiohttp
 import pytest
 import pytest_asyncio
-from conftest import make_spec, started_pool
+from conftest import assert_stopped_then_removed, make_spec, started_pool
 from inprocess import InProcessControlPlane, inprocess_controlplane
 
-from agent.docker_driver import LABEL_SANDBOX
 from dsec.cli.up import LocalPool
 from dsec.client import Client, Sandbox
 from dsec.tokens import new_token
@@ -132,6 +131,7 @@ async def test_agent_control_routes_refuse_client_and_lease_tokens(pool, alice, 
             ("POST", f"{path}/pause", None),
             ("POST", f"{path}/hibernate", None),
             ("POST", f"{path}/unpause", None),
+            ("POST", f"{path}/reset", {}),
             ("GET", "/v1/node", None),
             ("GET", f"/v1/audit?sandbox={sb.id}", None),
         ]
@@ -221,9 +221,7 @@ async def test_every_command_is_audited_outside_the_sandbox(pool, alice, docker_
     refused = await call("POST", exec_url(sb), "0" * 64, {"cmd": ["echo", "refused"]})
     assert refused[0] == 403
     await sb.release()
-    assert not docker_client.containers.list(
-        all=True, filters={"label": f"{LABEL_SANDBOX}={sb.id}"}
-    )
+    await assert_stopped_then_removed(docker_client, sb.id)
 
     log_path = pool.dir / f"{sb.node}-audit.jsonl"
     assert stat.S_IMODE(os.stat(log_path).st_mode) == 0o600

@@ -7,7 +7,7 @@ import signal
 
 import docker
 import pytest
-from conftest import make_spec, pool_containers, started_pool
+from conftest import assert_stopped_then_removed, make_spec, pool_containers, started_pool
 
 from agent.docker_driver import LABEL_NODE, LABEL_POOL, LABEL_SANDBOX, LABEL_TEMPLATE
 from dsec.client import Client, DsecError
@@ -41,7 +41,7 @@ async def test_thirty_concurrent_acquires_spread_over_three_nodes(client, docker
     finally:
         await asyncio.gather(*(sb.release() for sb in sandboxes))
     for sb in sandboxes:
-        assert container_of(docker_client, sb.id) is None
+        await assert_stopped_then_removed(docker_client, sb.id)
 
 
 async def test_exec_returns_output_and_exit_code(client):
@@ -80,7 +80,7 @@ async def test_release_removes_the_container(client, docker_client):
     sb = await client.acquire()
     assert container_of(docker_client, sb.id) is not None
     await sb.release()
-    assert container_of(docker_client, sb.id) is None
+    await assert_stopped_then_removed(docker_client, sb.id)
     info = await client.list()
     assert sb.id not in {s.id for s in info}
 
@@ -162,7 +162,7 @@ async def test_a_restarted_agent_adopts_its_containers(client, docker_client, po
         stray.reload()
     assert container_of(docker_client, sb.id).status == "running"
     await sb.release()
-    assert container_of(docker_client, sb.id) is None
+    await assert_stopped_then_removed(docker_client, sb.id)
 
 
 async def test_dsec_status_prints_nodes_and_sandboxes(pool):

@@ -175,6 +175,33 @@ def test_a_create_for_a_request_is_claimed_when_ready_and_not_duplicated():
     assert [(c.sandbox_id, c.path) for c in of(actions, Claim)] == [("c", "cold")]
 
 
+def test_whatever_is_ready_first_goes_to_the_oldest_waiter():
+    # the younger request's create finished first: the older one gets it, and the younger
+    # waits for the older one's create, which is still under way; nothing new is created
+    older, younger = request("old", arrived_at=NOW - 2), request("young", arrived_at=NOW - 1)
+    sandboxes = [
+        sandbox("for-old", S.CREATING, reserved_for="old"),
+        sandbox("for-young", S.WARM, reserved_for="young", since=NOW - 0.5),
+    ]
+    actions = decide(snap(sandboxes=sandboxes, requests=[younger, older]), {"p": params()}, NOW)
+    assert [(c.request_id, c.sandbox_id, c.path) for c in of(actions, Claim)] == [
+        ("old", "for-young", "cold")
+    ]
+    assert of(actions, Create) == []
+
+
+def test_a_refill_goes_only_where_the_engine_has_a_create_to_spare():
+    nodes = [node("busy", creating=4, create_limit=4), node("spare", creating=1, create_limit=2)]
+    actions = decide(snap(nodes), {"p": params(min_warm=5, refill_concurrency=5)}, NOW)
+    assert [a.node for a in of(actions, Create)] == ["spare"]  # then "spare" is at 2 of 2 too
+
+
+def test_a_create_for_a_request_goes_to_the_shortest_create_queue_even_past_its_limit():
+    nodes = [node("long", creating=8, create_limit=4), node("short", creating=5, create_limit=4)]
+    actions = decide(snap(nodes, requests=[request("a")]), {"p": params()}, NOW)
+    assert [a.node for a in cold(actions)] == ["short"]
+
+
 # --- placement and overflow ---------------------------------------------------------
 
 

@@ -2,7 +2,7 @@
 
 `SimAgents` implements the control plane's agent interface
 (`controlplane.agents.AgentClient`: create, lease, pause, unpause, hibernate,
-destroy) with the same results as live agents, including an agent's refusal when a
+destroy, reset) with the same results as live agents, including an agent's refusal when a
 node is full, and heartbeats each node's report into the same path live reports take
 (`Scheduler.on_report`). Durations are drawn from a profile; creates, removes and
 snapshots queue for the node's agent, which runs a few at a time (its lifecycle
@@ -23,14 +23,24 @@ import asyncio
 import heapq
 import logging
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
+from typing import Any
 
+from agent.engine import CreateLimit, EngineQueue, Work
 from bench.sim.profile import Profile
 from controlplane.agents import OK, AgentAddress, CallResult
-from dsec.models import Capacity, CreateSandbox, LeaseGrant, NodeReport, SandboxReport, Usage
+from dsec.models import (
+    Capacity,
+    CreateSandbox,
+    LeaseGrant,
+    NodeReport,
+    ResetSandbox,
+    SandboxReport,
+    Usage,
+)
 from dsec.policy import Resources
-from dsec.states import HIBERNATED_FROM, PAUSED_FROM, THAWED_FROM
+from dsec.states import ASSIGNED, HIBERNATED_FROM, PAUSED_FROM, THAWED_FROM
 from dsec.states import SandboxState as S
 
 log = logging.getLogger(__name__)
@@ -54,7 +64,8 @@ class SimSandbox:
     frozen_at: float | None = None  # when it was first frozen
     _report: SandboxReport | None = None
 
-    def leased(self, grant: LeaseGrant) -> None:
+    def leased(self, grant: LeaseGrant | None) -> None:
+        """Given to a lease, or back from one (None: recycled into the warm pool)."""
         self.lease, self._report = grant, None
 
     def report(self, now: float) -> SandboxReport:
@@ -221,7 +232,9 @@ class SimNode:
     ) -> None:
         self.id, self.kind, self.capacity, self.engine = node_id, kind, capacity, engine
         self.images = images
-        self.slots = asyncio.Semaphore(concurrency)  # the agent's threads for Docker calls
+        # the agent's engine queue: its threads for Docker calls, in the live agent's order
+        limit = CreateLimit(concurrency, concurrency, concurrency)
+        self.queue = EngineQueue(concurrency, limit, lambda: asyncio.get_event_loop().time())
         self.sandboxes: dict[str, SimSandbox] = {}
         self.used = Resources()
         self.down = False  # unreachable: calls fail, heartbeats stop
@@ -250,6 +263,7 @@ class SimAgents:
     rng: random.Random
     shared_engine: bool
     nodes: dict[str, SimNode] = field(default_factory=dict)
+    background: set[asyncio.Task] = field(default_factory=set)  # removals under way
     _engine: Engine | None = None
 
     def add_node(self, node_id: str, kind: str, capacity: Resources, images: set[str]) -> SimNode:
@@ -264,7 +278,7 @@ class SimAgents:
         return node
 
     def inject(self, node_id: str, op: str, result: CallResult, times: int = 1) -> None:
-        """The next `times` calls of `op` (create, lease, pause, unpause, hibernate,
+        """The next `times` calls of `op` (create, lease, pause, unpause, hibernate, reset,
         destroy) on the node answer `result` and do nothing."""
         self.nodes[node_id].faults.setdefault(op, []).extend([result] * times)
 
@@ -288,6 +302,7 @@ class SimAgents:
             sandboxes=[sb.report(now) for sb in node.sandboxes.values()],
             incarnation="sim",
             engine_ok=True,
+            create_limit=node.queue.creates.limit,
         )
 
     async def heartbeat_forever(
@@ -326,8 +341,8 @@ class SimAgents:
         else:
             await asyncio.sleep(self.profile.draw(op, self.rng))
 
-    async def _engine_op(self, node: SimNode, op: str) -> None:
-        async with node.slots:
+    async def _engine_op(self, node: SimNode, op: str, work: Work) -> None:
+        async with node.queue.turn(work):
             await self._take(op, node)
 
     def _node(self, address: AgentAddress, op: str) -> SimNode | CallResult:
@@ -366,6 +381,9 @@ class SimAgents:
     async def destroy(self, address: AgentAddress, sandbox_id: str) -> CallResult:
         return await self._on_sandbox(address, "destroy", sandbox_id)
 
+    async def reset(self, address: AgentAddress, sandbox_id: str, req: ResetSandbox) -> CallResult:
+        return await self._on_sandbox(address, "reset", sandbox_id, req)
+
     async def create(self, address: AgentAddress, spec: CreateSandbox) -> CallResult:
         node = self._node(address, "create")
         if isinstance(node, CallResult):
@@ -382,7 +400,8 @@ class SimAgents:
             S.CREATING, needs, spec, created_at=loop.time(), busy_until=loop.time()
         )
         node.occupy(needs, +1)
-        await self._engine_op(node, "create")
+        work = Work.CREATE_FOR_REQUEST if spec.for_request else Work.CREATE_WARM
+        await self._engine_op(node, "create", work)
         sb.state = S.WARM
         return CallResult(True, 201, "ok", "")
 
@@ -401,7 +420,7 @@ class SimAgents:
             if not (node.used + sb.needs).fits_in(node.capacity):
                 return CallResult(False, 409, "no_capacity", "no room to restore")
             node.occupy(sb.needs, +1)
-            await self._engine_op(node, "restore")
+            await self._engine_op(node, "restore", Work.CLIENT)
         sb.state, sb.frozen_at = S.LEASED, None
         sb.leased(grant)
         sb.busy_until = max(sb.busy_until, asyncio.get_running_loop().time())
@@ -423,18 +442,44 @@ class SimAgents:
     async def _hibernate(self, node: SimNode, sandbox_id: str, sb: SimSandbox) -> CallResult:
         if sb.state not in HIBERNATED_FROM:
             return CallResult(False, 409, "not_paused", f"sandbox {sandbox_id} is {sb.state}")
-        await self._engine_op(node, "commit")
-        await self._engine_op(node, "remove")
+        await self._engine_op(node, "commit", Work.FREEZE)
+        await self._engine_op(node, "remove", Work.FREEZE)
         sb.state = HIBERNATED_FROM[sb.state]
         node.occupy(sb.needs, -1)  # memory released: the files stay on disk
         return OK
 
+    async def _reset(
+        self, node: SimNode, sandbox_id: str, sb: SimSandbox, req: ResetSandbox
+    ) -> CallResult:
+        """As the live agent: a frozen lease thawed, then the reset, about one exec's time
+        (the live one is two execs of shell builtins, most of it the engine's exec start)."""
+        if sb.lease is None and sb.state == S.WARM:
+            return OK  # a retry of a reset that is done
+        if sb.lease is None or sb.lease.lease_id != req.lease_id or sb.state not in ASSIGNED:
+            return CallResult(False, 409, "lease_mismatch", f"{sandbox_id} is not that lease's")
+        if sb.state == S.LEASED_PAUSED:
+            await self._take("unpause", node)
+        await self._take("exec", node)
+        sb.state, sb.frozen_at = S.WARM, None
+        sb.leased(None)
+        sb.busy_until = max(sb.busy_until, asyncio.get_running_loop().time())
+        return OK
+
     async def _destroy(self, node: SimNode, sandbox_id: str, sb: SimSandbox) -> CallResult:
+        """As the live agent: a kill at once (about a pause's cost: a signal through the
+        same runtime), the slot freed, the container removed when the engine is quiet."""
         if sb.state != S.HIBERNATED:
-            await self._engine_op(node, "remove")
+            await self._take("pause", node)
             node.occupy(sb.needs, -1)
+            self._later(self._engine_op(node, "remove", Work.REMOVE))
         node.sandboxes.pop(sandbox_id, None)
         return CallResult(True, 200, "ok", "", busy_s=sb.busy_s)
+
+    def _later(self, work: Coroutine[Any, Any, None]) -> None:
+        """Engine work nobody waits for; the simulation cancels what is left at its end."""
+        task = asyncio.ensure_future(work)
+        self.background.add(task)
+        task.add_done_callback(self.background.discard)
 
     # --- what clients do in their sandboxes -------------------------------------
 

@@ -178,7 +178,7 @@ async def _simulate(loop: VirtualTimeLoop, episodes: list[Episode], **o) -> RunR
         await asyncio.wait_for(playing, o["horizon_s"])
     except TimeoutError:
         pass  # the horizon: what still runs is left as it is
-    in_flight = (ticking, beating, sampling, *scheduler.actuator.tasks)
+    in_flight = (ticking, beating, sampling, *scheduler.actuator.tasks, *agents.background)
     for task in in_flight:
         task.cancel()  # at the horizon, what is in flight stays unfinished
     await asyncio.gather(*in_flight, return_exceptions=True)

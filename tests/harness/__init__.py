@@ -36,7 +36,17 @@ from controlplane.config import ControlPlaneConfig
 from controlplane.scheduler import Scheduler, build_scheduler
 from dsec.baselines import Policy, make_policy
 from dsec.image import BASE_IMAGE
-from dsec.models import AcquireRequest, CreateSandbox, Lease, LeaseGrant, PoolParams, TemplateSpec
+from dsec.models import (
+    AcquireRequest,
+    CreateSandbox,
+    Lease,
+    LeaseGrant,
+    PoolParams,
+    PrewarmInfo,
+    PrewarmRequest,
+    ResetSandbox,
+    TemplateSpec,
+)
 from dsec.policy import Action, Resources, Snapshot
 from dsec.states import SandboxState
 from dsec.tokens import client_id
@@ -49,7 +59,7 @@ ALICE, BOB = client_id("alice's token"), client_id("bob's token")  # two clients
 class Call:
     """One call the control plane made to an agent, and what it answered."""
 
-    op: str  # create, lease, pause, unpause, hibernate, destroy
+    op: str  # create, lease, pause, unpause, hibernate, destroy, reset
     node: str
     sandbox_id: str
     started: float
@@ -96,6 +106,10 @@ class RecordingAgents:
     async def destroy(self, node: AgentAddress, sandbox_id: str) -> CallResult:
         call = self.agents.destroy(node, sandbox_id)
         return await self._record("destroy", node, sandbox_id, call)
+
+    async def reset(self, node: AgentAddress, sandbox_id: str, req: ResetSandbox) -> CallResult:
+        call = self.agents.reset(node, sandbox_id, req)
+        return await self._record("reset", node, sandbox_id, call)
 
 
 class RecordingPolicy:
@@ -211,6 +225,9 @@ class Harness:
                 await scenario(self)
             finally:
                 await self.stop()
+                for task in self.agents.background:  # removals the engine had not got to
+                    task.cancel()
+                await asyncio.gather(*self.agents.background, return_exceptions=True)
 
         try:
             self.loop.run_until_complete(main())
@@ -245,6 +262,10 @@ class Harness:
 
     async def release(self, lease: Lease) -> None:
         await self.scheduler.leases.release(lease.id, lease.lease_token)
+
+    def prewarm(self, pool: str = "default", **fields) -> PrewarmInfo:
+        """An announced burst, as `POST /v1/pools/{pool}/prewarm` makes it."""
+        return self.scheduler.prewarm(pool, PrewarmRequest(**fields))
 
     async def settle(self, seconds: float = 2.0) -> None:
         """Let virtual time pass: ticks, outcomes and heartbeats happen meanwhile."""

@@ -1,0 +1,132 @@
+"""The order in which a node's Docker engine does its work, and how many creates at once.
+
+An engine serialises much of what it is asked (20 concurrent creates took 2.8 s in
+all here), so what it does first decides who waits. `EngineQueue` admits operations
+by `Work` class, most urgent first: what a client waits on now, then creates a
+request waits for, then warm-pool creates, then freezing, and last the removal of
+containers already stopped, when nothing else waits. Creates are also bounded by
+`CreateLimit`, which measures the concurrency past which creates only get slower;
+the agent reports it, and the control plane places no more refills on a node than
+that. The simulator runs the same queue (`bench.sim.agents`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from enum import IntEnum
+
+
+class Work(IntEnum):
+    """What the engine is asked to do, most urgent first."""
+
+    CLIENT = 0  # a lease's thaw or restore, an exec's start, a kill: a client waits now
+    THAW = 1  # unpause a warm-pool sandbox
+    CREATE_FOR_REQUEST = 2  # an acquire waits for it
+    CREATE_WARM = 3  # the warm pool refills or scales up: nobody waits yet
+    FREEZE = 4  # pause, hibernate
+    REMOVE = 5  # remove a container already stopped: only when nothing else waits
+
+
+CREATES = (Work.CREATE_FOR_REQUEST, Work.CREATE_WARM)
+# A removal waits for a quiet engine, but not for ever: a stopped container still holds
+# its disk, and a restart removes what it finds stopped anyway.
+REMOVE_WAITS_AT_MOST_S = 30.0
+
+
+class CreateLimit:
+    """The concurrency past which creates only get slower, measured as TCP Vegas measures
+    a path: with `best` the shortest create seen (no queue in the engine), a create that
+    took `took` with `limit` running means about limit * (1 - best / took) creates' worth
+    of queue inside the engine. Under ALPHA, the engine has room for one more at once;
+    over BETA, one fewer. `best` drifts up slowly, so an engine that got slower for good
+    is not held to what it once did."""
+
+    ALPHA, BETA = 1.0, 2.0
+    DRIFT = 0.01  # per create, the share by which `best` may rise towards what is seen
+
+    def __init__(self, initial: int = 2, lowest: int = 1, highest: int = 32) -> None:
+        self.limit, self.lowest, self.highest = initial, lowest, highest
+        self.best: float | None = None
+
+    def observe(self, took: float, running: int) -> None:
+        """A create took `took` seconds while `running` creates (itself included) ran."""
+        if self.best is None or took < self.best:
+            self.best = took
+        else:
+            self.best += (took - self.best) * self.DRIFT
+        if took <= 0:
+            return
+        queued = self.limit * (1.0 - self.best / took)
+        if queued < self.ALPHA and running >= self.limit:
+            self.limit = min(self.highest, self.limit + 1)  # saturated, and no queue yet
+        elif queued > self.BETA:
+            self.limit = max(self.lowest, self.limit - 1)
+
+
+class EngineQueue:
+    """Admits engine operations by priority. A client's work starts at once (it runs on
+    threads of its own); the rest at most `slots` at once (the agent's threads for
+    lifecycle calls), at most `creates.limit` of them creates, and a removal only when no
+    other work waits and no create runs (or once it has waited REMOVE_WAITS_AT_MOST_S)."""
+
+    def __init__(self, slots: int, creates: CreateLimit, now) -> None:
+        self.slots = slots
+        self.creates = creates
+        self.now = now  # the injected clock's now()
+        self.waiting: dict[Work, deque[tuple[float, asyncio.Future]]] = {w: deque() for w in Work}
+        self.running: dict[Work, int] = {w: 0 for w in Work}
+
+    def queued(self, work: Work) -> int:
+        return len(self.waiting[work])
+
+    @asynccontextmanager
+    async def turn(self, work: Work) -> AsyncIterator[None]:
+        """Hold one of the engine's slots for `work`, once its turn comes."""
+        ticket = asyncio.get_running_loop().create_future()
+        self.waiting[work].append((self.now(), ticket))
+        self._admit()
+        try:
+            await ticket
+        except BaseException:
+            if ticket.done() and not ticket.cancelled():
+                self._leave(work)  # admitted just as it was cancelled: give the slot back
+            else:
+                self.waiting[work] = deque(t for t in self.waiting[work] if t[1] is not ticket)
+                self._admit()
+            raise
+        try:
+            yield
+        finally:
+            self._leave(work)
+
+    def _leave(self, work: Work) -> None:
+        self.running[work] -= 1
+        self._admit()
+
+    def creating(self) -> int:
+        return sum(self.running[w] for w in CREATES)
+
+    def _admit(self) -> None:
+        for work in Work:
+            queue = self.waiting[work]
+            while queue and self._may_start(work, queue[0][0]):
+                _, ticket = queue.popleft()
+                self.running[work] += 1
+                ticket.set_result(None)
+
+    def _may_start(self, work: Work, since: float) -> bool:
+        if work == Work.CLIENT:
+            return True
+        if sum(self.running.values()) - self.running[Work.CLIENT] >= self.slots:
+            return False
+        if work in CREATES:
+            return self.creating() < self.creates.limit
+        if work == Work.REMOVE:
+            quiet = not self.creating() and not any(
+                self.waiting[w] for w in Work if w != Work.REMOVE
+            )
+            return quiet or self.now() - since >= REMOVE_WAITS_AT_MOST_S
+        return True

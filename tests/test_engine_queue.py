@@ -1,0 +1,146 @@
+"""The order of a node's engine work and its measured create limit (agent/engine.py), in
+virtual time: no engine, no waiting."""
+
+from __future__ import annotations
+
+import asyncio
+
+from agent.engine import REMOVE_WAITS_AT_MOST_S, CreateLimit, EngineQueue, Work
+from bench.sim.loop import VirtualTimeLoop
+
+
+def run(coro_fn):
+    loop = VirtualTimeLoop()
+    try:
+        return loop.run_until_complete(coro_fn())
+    finally:
+        loop.close()
+
+
+def fixed(limit: int) -> CreateLimit:
+    return CreateLimit(limit, limit, limit)
+
+
+async def job(queue: EngineQueue, work: Work, name: str, started: list, took: float = 1.0):
+    async with queue.turn(work):
+        started.append((name, asyncio.get_running_loop().time()))
+        await asyncio.sleep(took)
+
+
+def test_waiting_work_starts_most_urgent_first_whatever_its_arrival():
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        queue = EngineQueue(1, fixed(4), loop.time)
+        started: list = []
+        blocker = asyncio.ensure_future(job(queue, Work.FREEZE, "running", started))
+        await asyncio.sleep(0.1)
+        arrivals = [
+            (Work.REMOVE, "remove"),
+            (Work.FREEZE, "pause"),
+            (Work.CREATE_WARM, "warm"),
+            (Work.CREATE_FOR_REQUEST, "request"),
+            (Work.THAW, "thaw"),
+        ]
+        jobs = [asyncio.ensure_future(job(queue, w, n, started)) for w, n in arrivals]
+        await asyncio.gather(blocker, *jobs)
+        return [name for name, _ in started]
+
+    assert run(scenario) == ["running", "thaw", "request", "warm", "pause", "remove"]
+
+
+def test_a_clients_work_never_waits_for_a_slot():
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        queue = EngineQueue(1, fixed(1), loop.time)
+        started: list = []
+        busy = asyncio.ensure_future(job(queue, Work.CREATE_FOR_REQUEST, "create", started, 5))
+        await asyncio.sleep(0.1)
+        await job(queue, Work.CLIENT, "exec start", started, 0.01)
+        await busy
+        return started
+
+    started = run(scenario)
+    assert started[1][0] == "exec start" and started[1][1] < 0.2
+
+
+def test_creates_run_no_more_at_once_than_the_limit():
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        queue = EngineQueue(8, fixed(2), loop.time)
+        started: list = []
+        jobs = [
+            asyncio.ensure_future(job(queue, Work.CREATE_FOR_REQUEST, f"c{i}", started))
+            for i in range(5)
+        ]
+        pause = asyncio.ensure_future(job(queue, Work.FREEZE, "pause", started))
+        await asyncio.gather(*jobs, pause)
+        return started
+
+    started = dict(run(scenario))
+    assert [started[f"c{i}"] for i in range(5)] == [0.0, 0.0, 1.0, 1.0, 2.0]
+    assert started["pause"] == 0.0  # a free slot is not kept for a blocked create
+
+
+def test_a_removal_waits_for_a_quiet_engine_but_not_for_ever():
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        queue = EngineQueue(4, fixed(1), loop.time)
+        started: list = []
+        creates = [
+            asyncio.ensure_future(job(queue, Work.CREATE_WARM, f"c{i}", started)) for i in range(3)
+        ]
+        await asyncio.sleep(0.1)
+        removal = asyncio.ensure_future(job(queue, Work.REMOVE, "remove", started, 0.1))
+        await asyncio.gather(*creates, removal)
+        # a long run of creates: the removal goes once it has waited long enough
+        later: list = []
+        creates = [
+            asyncio.ensure_future(job(queue, Work.CREATE_WARM, f"c{i}", later, 10))
+            for i in range(10)
+        ]
+        await asyncio.sleep(0.1)
+        removal = asyncio.ensure_future(job(queue, Work.REMOVE, "late", later, 0.1))
+        await asyncio.gather(*creates, removal)
+        return started, later
+
+    started, later = (dict(s) for s in run(scenario))
+    assert 3.0 <= started["remove"] < 3.2  # after the last create, not beside them
+    late = later["late"] - later["c0"]
+    assert REMOVE_WAITS_AT_MOST_S <= late <= REMOVE_WAITS_AT_MOST_S + 10.1
+
+
+def test_a_cancelled_wait_gives_its_place_up():
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        queue = EngineQueue(1, fixed(4), loop.time)
+        started: list = []
+        busy = asyncio.ensure_future(job(queue, Work.FREEZE, "busy", started))
+        await asyncio.sleep(0.1)
+        gone = asyncio.ensure_future(job(queue, Work.THAW, "gone", started))
+        after = asyncio.ensure_future(job(queue, Work.FREEZE, "after", started))
+        await asyncio.sleep(0.1)
+        gone.cancel()
+        await asyncio.gather(busy, after, gone, return_exceptions=True)
+        return started, queue
+
+    started, queue = run(scenario)
+    assert [n for n, _ in started] == ["busy", "after"]
+    assert sum(queue.running.values()) == 0 and not any(queue.waiting.values())
+
+
+def test_the_create_limit_grows_while_creates_do_not_queue_and_shrinks_when_they_do():
+    limit = CreateLimit(initial=2, lowest=1, highest=8)
+    for _ in range(10):  # saturated, and each create as fast as the best
+        limit.observe(0.2, running=limit.limit)
+    assert limit.limit == 8
+    for _ in range(20):  # every create 4 x the best: the engine queues them
+        limit.observe(0.8, running=limit.limit)
+    assert limit.limit < 8
+    assert limit.best is not None and limit.best < 0.8
+
+
+def test_the_create_limit_does_not_grow_while_it_is_not_used():
+    limit = CreateLimit(initial=2, lowest=1, highest=8)
+    for _ in range(10):
+        limit.observe(0.2, running=1)
+    assert limit.limit == 2

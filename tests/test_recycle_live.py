@@ -1,0 +1,200 @@
+"""Recycling on the real engine: a recycled sandbox keeps no file, process, environment
+variable or memory of its previous lease, and a reset that fails removes the sandbox.
+
+One node with room for one sandbox, in a pool with `recycle` on: the next acquire after
+a release can only get the recycled sandbox (or, after a failed reset, a new one)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+
+import aiohttp
+import pytest
+import pytest_asyncio
+from conftest import make_spec, started_pool
+
+from agent.docker_driver import LABEL_SANDBOX
+from dsec.client import Client, DsecError
+from dsec.models import Capacity, PoolParams
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+MARKER = "dsec-recycle-marker-7f3a"  # what lease 1 leaves everywhere it can
+MB = 1 << 20
+
+# Lease 1's mess: files with dotfiles and an unreadable directory in all three places, a
+# POSIX message queue, 48 MB on the tmpfs file systems, and processes of every kind, all
+# holding MARKER in their environment: a plain background one, one in a session of its
+# own, one deaf to SIGHUP (as nohup makes it; busybox here has no nohup), a shell holding
+# 24 MB of memory in a variable, and a command still running at the release.
+MESS = f"""
+set -e
+echo {MARKER} > /work/file; echo {MARKER} > /work/.dotfile
+mkdir -p /work/d/e; echo {MARKER} > /work/d/e/f; chmod 000 /work/d
+echo {MARKER} > /tmp/t; echo {MARKER} > /tmp/.t; echo {MARKER} > /dev/shm/.s
+: > /dev/mqueue/lease-one
+dd if=/dev/zero of=/dev/shm/.blob bs=1M count=32 2>/dev/null
+dd if=/dev/zero of=/tmp/big bs=1M count=16 2>/dev/null
+sleep 1000 >/dev/null 2>&1 &
+setsid sleep 999 >/dev/null 2>&1 &
+(trap '' HUP; exec sleep 998) >/dev/null 2>&1 &
+sh -c 'x=$(head -c 25000000 /dev/zero | tr "\\0" a); sleep 997; echo $x' >/dev/null 2>&1 &
+sleep 1
+"""
+
+# What is left, seen from a lease: every process but this shell (pid, then its command
+# line), which of them hold MARKER in their environment or command line, and every
+# entry in the three directories. Pids are listed with builtins first, so the commands
+# that read them are not in the list.
+LOOK = f"""
+pids=
+for d in /proc/[0-9]*; do p=${{d#/proc/}}; [ "$p" = $$ ] || pids="$pids $p"; done
+for p in $pids; do
+  [ -e /proc/$p ] || continue
+  echo "process $p $(tr '\\0' ' ' < /proc/$p/cmdline)"
+  if grep -q {MARKER} /proc/$p/environ /proc/$p/cmdline; then
+    echo "marker $p"
+  fi
+done
+ls -A /work /tmp /dev/shm /dev/mqueue | grep -v ':$' | grep . | sed 's/^/file /' || true
+"""
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def pool(docker_client, tmp_path_factory):
+    spec = make_spec(
+        tmp_path_factory.mktemp("recycle"),
+        nodes=1,
+        capacity=Capacity(cpus=32, memory_mb=65536, slots=1),
+        pool=PoolParams(min_warm=0, max_warm=1, warm_fraction=0, recycle=True),
+    )
+    async for p in started_pool(spec, docker_client):
+        yield p
+
+
+@pytest_asyncio.fixture(loop_scope="module")
+async def client(pool):
+    async with Client(pool.url, token=pool.tokens.client) as c:
+        yield c
+
+
+def container_of(docker_client, sandbox_id: str):
+    [c] = docker_client.containers.list(filters={"label": f"{LABEL_SANDBOX}={sandbox_id}"})
+    return c
+
+
+def memory_used(docker_client, container) -> int:
+    """The container's memory, page cache that could be dropped left out (as `docker stats`
+    shows it); tmpfs pages are not droppable, so they count."""
+    stats = docker_client.api.stats(container.id, stream=False, one_shot=True)
+    memory = stats["memory_stats"]
+    return memory["usage"] - memory.get("stats", {}).get("total_inactive_file", 0)
+
+
+def lines(output: str, kind: str) -> list[str]:
+    return [line.removeprefix(kind + " ") for line in output.splitlines() if line.startswith(kind)]
+
+
+async def reset_seconds(agent_url: str) -> tuple[float, int]:
+    """The agent's reset time, all told: dsec_agent_docker_op_seconds for both commands."""
+    async with aiohttp.ClientSession() as http:
+        async with http.get(f"{agent_url}/metrics") as resp:
+            text = await resp.text()
+    total, count = 0.0, 0
+    for line in text.splitlines():
+        value = line.rsplit(" ", 1)[-1]
+        if line.startswith("dsec_agent_docker_op_seconds_sum") and 'op="reset' in line:
+            total += float(value)  # op="reset" and op="reset_verify"
+        if line.startswith("dsec_agent_docker_op_seconds_count") and 'op="reset"' in line:
+            count += int(float(value))
+    return total, count
+
+
+async def test_a_recycled_sandbox_keeps_nothing_of_its_previous_lease(client, docker_client):
+    first = await client.acquire(timeout=60)
+    container = container_of(docker_client, first.id)
+    baseline = memory_used(docker_client, container)
+    made = await first.exec(["sh", "-c", MESS], env={"DSEC_MARKER": MARKER}, timeout=60)
+    assert made.exit_code == 0, made.stderr
+    before = await first.exec(["sh", "-c", LOOK])
+    assert len(lines(before.stdout, "process")) >= 2 + 5, before.stdout  # init, main, 5+ more
+    assert len(lines(before.stdout, "marker")) >= 5, before.stdout
+    assert {"file", ".dotfile", "t", ".t", ".s", ".blob", "big", "lease-one"} <= set(
+        lines(before.stdout, "file")
+    ), before.stdout
+    held = memory_used(docker_client, container)
+    assert held - baseline > 60 * MB, (baseline, held)  # 48 MB of files, 24 MB in a process
+    # a command of the lease still runs when it is released: the reset kills it
+    running = asyncio.create_task(first.exec(["sleep", "60"], env={"DSEC_MARKER": MARKER}))
+    await asyncio.sleep(0.5)
+
+    started = time.monotonic()
+    await first.release()
+    released_in = time.monotonic() - started
+    try:
+        cut = await asyncio.wait_for(running, 10)
+        assert cut.exit_code != 0  # killed, not run to its end
+    except DsecError:
+        pass  # or answered as released: either way it is over
+
+    second = await client.acquire(timeout=30)
+    try:
+        assert second.id == first.id and second.lease.path == "warm"
+        assert second.lease.lease_id != first.lease.lease_id
+        assert second.lease.lease_token != first.lease.lease_token
+        after = await second.exec(["sh", "-c", LOOK])
+        processes = lines(after.stdout, "process")
+        # PID 1 (docker's init) and the template's command, nothing else
+        assert len(processes) == 2, after.stdout
+        assert processes[0].startswith("1 ") and "docker-init" in processes[0], processes
+        assert processes[1].split(" ", 1)[1].strip() == "sleep 2147483647", processes
+        assert not lines(after.stdout, "marker"), after.stdout
+        assert not lines(after.stdout, "file"), after.stdout
+        # the first lease's token no longer works, on the agent as on the control plane
+        with pytest.raises(DsecError) as old:
+            await first.exec(["true"])
+        assert old.value.status in (403, 409, 410)
+        with pytest.raises(DsecError) as again:
+            await first.release()
+        assert again.value.code == "already_released"
+        # memory back near where it started (what the 72 MB were is gone)
+        now = memory_used(docker_client, container)
+        assert now - baseline < 8 * MB, (baseline, held, now)
+        assert container_of(docker_client, second.id).id == container.id  # the same container
+        total, count = await reset_seconds(second.lease.agent_url)
+        print(
+            f"\nrecycle: release answered in {released_in * 1000:.0f} ms; reset (both "
+            f"commands) {total / max(1, count) * 1000:.0f} ms on the agent; memory "
+            f"{baseline / MB:.1f} MB -> {held / MB:.1f} MB -> {now / MB:.1f} MB"
+        )
+    finally:
+        await second.release()
+
+
+@pytest.mark.parametrize(
+    ("what", "mess"),
+    [
+        # a directory nested past PATH_MAX: rm -rf cannot name what is inside, so the
+        # check finds the work dir not empty
+        ("fails to verify", "i=0; while [ $i -lt 2100 ]; do mkdir a; cd a; i=$((i+1)); done"),
+        # the template's command killed (with every process of the user): the container
+        # stopped, and the reset cannot run in it
+        ("main process died", "kill -9 -1"),
+    ],
+)
+async def test_a_reset_that_fails_removes_the_sandbox(client, docker_client, what, mess):
+    first = await client.acquire(timeout=60)
+    with contextlib.suppress(DsecError):  # a container that stops under it: 409
+        await first.exec(["sh", "-c", mess], timeout=60)
+    await first.release()
+    gone = docker_client.containers.list(
+        all=True, filters={"label": f"{LABEL_SANDBOX}={first.id}", "status": "running"}
+    )
+    assert not gone, f"{what}: the sandbox still runs"
+    second = await client.acquire(timeout=60)
+    try:
+        assert second.id != first.id and second.lease.path == "cold", what
+    finally:
+        await second.release()
