@@ -132,6 +132,17 @@ def missing(name: str, limit: float, why: str, op: str = "<=") -> dict:
             "note": why}  # fmt: skip
 
 
+def render_leftovers_and_targets(report: dict) -> list[str]:
+    """The last lines of a burst or churn report: what was left behind, then the verdicts."""
+    lo = report["leftovers"]
+    return [
+        f"containers: pool swept at stop {lo['pool_swept_at_stop']}, left {lo['pool_left']}; "
+        f"floor swept at close {lo['floor_swept_at_close']}, left {lo['floor_left']}",
+        "",
+        *render_targets(report["targets"]),
+    ]
+
+
 def render_targets(targets: list[dict]) -> list[str]:
     rows = [
         [
@@ -415,13 +426,7 @@ def render(r: dict) -> str:
             f"announced: prewarm by the {a['prewarm_by']}; sandboxes at the burst "
             f"{a['sandboxes_at_burst']}"
         )
-    lo = r["leftovers"]
-    lines += [
-        f"containers: pool swept at stop {lo['pool_swept_at_stop']}, left {lo['pool_left']}; "
-        f"floor swept at close {lo['floor_swept_at_close']}, left {lo['floor_left']}",
-        "",
-    ]
-    lines += render_targets(r["targets"])
+    lines += render_leftovers_and_targets(r)
     return "\n".join(lines)
 
 

@@ -38,7 +38,7 @@ from bench.burst import (
     issue_spec,
     leftovers,
     missing,
-    render_targets,
+    render_leftovers_and_targets,
     scale_events,
     skipped,
     target,
@@ -247,13 +247,7 @@ def render(r: dict) -> str:
         f"floor: create p50 {f['create_ms']['p50']} ms p99 {f['create_ms']['p99']} ms; "
         f"remove p50 {f['remove_ms']['p50']} ms p99 {f['remove_ms']['p99']} ms"
     )
-    lo = r["leftovers"]
-    lines += [
-        f"containers: pool swept at stop {lo['pool_swept_at_stop']}, left {lo['pool_left']}; "
-        f"floor swept at close {lo['floor_swept_at_close']}, left {lo['floor_left']}",
-        "",
-    ]
-    lines += render_targets(r["targets"])
+    lines += render_leftovers_and_targets(r)
     return "\n".join(lines)
 
 

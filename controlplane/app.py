@@ -172,6 +172,7 @@ async def list_nodes(request: web.Request) -> web.Response:
                 placeable=n.placeable(now),
                 engine_ok=n.engine_ok,
                 failures=n.failures,
+                create_limit=n.create_limit,
                 heartbeat_age_s=max(0.0, now - n.last_seen),
                 capacity=Capacity(
                     cpus=n.capacity.cpus, memory_mb=n.capacity.memory_mb, slots=n.capacity.slots

@@ -303,6 +303,7 @@ class NodeInfo(Wire):
     )
     engine_ok: bool
     failures: int = Field(description="calls to it that failed in a row")
+    create_limit: int = Field(description="creates its engine runs at once, as its agent measured")
     heartbeat_age_s: float
     capacity: Capacity
     usage: Usage

@@ -11,7 +11,13 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from conftest import eventually, make_spec, pool_containers, started_pool
+from conftest import (
+    assert_stopped_then_removed,
+    eventually,
+    make_spec,
+    pool_containers,
+    started_pool,
+)
 
 from agent.docker_driver import LABEL_SANDBOX
 from dsec.baselines import POLICIES
@@ -74,6 +80,7 @@ async def static(client, pool, docker_client) -> None:
     assert await _only(client, leased=1, warm=size - 1)
     await sb.release()
     await eventually(lambda: _only(client, warm=size), "replaced after the release", 30)
+    await assert_stopped_then_removed(docker_client, sb.id)
     after = containers(docker_client, pool)
     assert sb.id not in after and len(after) == size
 
@@ -128,6 +135,7 @@ async def dsec(client, pool, docker_client) -> None:
     await eventually(lambda: _only(client, leased=1, warm=target), "refilled", 30)
     await sb.release()
     await eventually(lambda: _only(client, warm=target), "the lease removed", 30)
+    await assert_stopped_then_removed(docker_client, sb.id)
     assert sb.id not in containers(docker_client, pool)
 
 
