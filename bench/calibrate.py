@@ -128,9 +128,11 @@ def _concurrently(n: int, fn: Callable[[int], None]) -> None:
         raise errors[0]
 
 
-def docker_samples(engine: Engine, n: int) -> tuple[Samples, LoadedSamples]:
+def docker_samples(engine: Engine, n: int) -> tuple[Samples, LoadedSamples, float]:
     """Each operation one at a time; creates and removes also CONCURRENCY at a time (the
-    samples of c at a time are those of load c - 1: the others under way)."""
+    samples of c at a time are those of load c - 1: the others under way). Also the most
+    creates a second the engine completed at any of those concurrencies: past a few at
+    once it completes no more, however many it is given."""
     driver = engine.driver
     samples: Samples = {op: [] for op in ("create", "remove", "pause", "unpause", "commit")}
     loaded: LoadedSamples = {"create": {}, "remove": {}}
@@ -148,6 +150,7 @@ def docker_samples(engine: Engine, n: int) -> tuple[Samples, LoadedSamples]:
         samples["commit"].append(time.perf_counter() - started)
         driver.remove_image(ref)
     samples["remove"] = [_timed(driver.remove, cid) for cid in ids]
+    create_rate = n / sum(samples["create"])  # one at a time
     for c in CONCURRENCY:
         per_thread = -(-n // c)
         made: list[list[str]] = [[] for _ in range(c)]
@@ -162,11 +165,13 @@ def docker_samples(engine: Engine, n: int) -> tuple[Samples, LoadedSamples]:
         def remove(i: int, made=made, took=took) -> None:
             took["remove"] += [_timed(driver.remove, cid) for cid in made[i]]
 
+        started = time.perf_counter()
         _concurrently(c, create)
+        create_rate = max(create_rate, c * per_thread / (time.perf_counter() - started))
         _concurrently(c, remove)
         for op in took:
             loaded[op][c - 1] = took[op]
-    return samples, loaded
+    return samples, loaded, create_rate
 
 
 class LoadLoops:
@@ -291,7 +296,7 @@ def calibrate(n: int, nodes: int = DEFAULT_NODES) -> Profile:
     Raises one of CALIBRATE_ERRORS if Docker or the pool fails; leaves no container."""
     engine = Engine()
     try:
-        samples, under_load = docker_samples(engine, n)
+        samples, under_load, create_rate = docker_samples(engine, n)
     finally:
         engine.sweep()
     pooled, pooled_loaded, cold = asyncio.run(pool_samples(n, nodes))
@@ -301,7 +306,7 @@ def calibrate(n: int, nodes: int = DEFAULT_NODES) -> Profile:
     samples["restore"] = [c + e for c, e in zip(samples["create"], samples["exec"], strict=False)]
     assert set(samples) == set(OPS)
     profile = Profile(samples, engine_concurrency=AGENT_LIFECYCLE_THREADS,
-                      under_load=under_load)  # fmt: skip
+                      under_load=under_load, create_rate_per_s=round(create_rate, 2))  # fmt: skip
     profile.exec_weight = round(exec_weight(lambda k: profile.slowdown("create", k), cold), 3)
     profile.source = (
         f"calibrated here, {n} samples per operation and load; cold acquire median "
@@ -322,7 +327,11 @@ def describe(profile: Profile) -> str:
         s = sorted(s)
         return f"median {s[len(s) // 2] * 1000:8.1f} ms   max {s[-1] * 1000:8.1f} ms"
 
-    lines = [profile.source, f"exec weight {profile.exec_weight} (creates' worth of load)"]
+    lines = [
+        profile.source,
+        f"exec weight {profile.exec_weight} (creates' worth of load)",
+        f"engine create rate {profile.create_rate_per_s} a second at most",
+    ]
     lines += [f"{op:8} {med_max(profile.samples[op])}" for op in OPS]
     for op, by_k in profile.under_load.items():
         lines += [f"{op:8} {med_max(s)}   with {k} others" for k, s in sorted(by_k.items())]

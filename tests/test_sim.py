@@ -133,9 +133,11 @@ def test_a_profile_draws_from_the_highest_measured_load_and_slows_down_as_measur
 
 def test_a_profile_saves_and_loads_its_samples_under_load(tmp_path):
     profile = Profile({op: [0.1, 0.2] for op in OPS}, 8, "here", {"lease": {1: [0.3], 4: [0.5]}})
+    profile.create_rate_per_s = 10.3
     profile.save(tmp_path / "p.json")
     loaded = Profile.load(tmp_path / "p.json")
     assert loaded.under_load == {"lease": {1: [0.3], 4: [0.5]}}
+    assert loaded.create_rate_per_s == 10.3
     assert (loaded.samples, loaded.engine_concurrency, loaded.source) == (
         profile.samples, 8, "here")  # fmt: skip
     data = json.loads((tmp_path / "p.json").read_text())
@@ -182,6 +184,31 @@ def test_an_engine_shares_its_cores_as_the_load_changes():
     # first: 0.5 s of work alone, the other 0.5 s at half speed: ends at 1.5 s; second
     # drew a 2 s duration under load 1 (1 s of work): 0.5 s done by 1.5 s, the rest alone
     assert ended == pytest.approx({"first": 1.5, "second": 2.0})
+    assert engine.running == 0 and not engine.jobs
+
+
+def test_an_engine_completes_no_more_creates_a_second_than_its_measured_rate():
+    """Creates take 1 s alone and no longer beside others (cores to spare), but the
+    engine completes 4 a second at most: 20 started together end over 5 s, not in 1."""
+    profile = Profile({op: [1.0] for op in OPS}, under_load={"create": {1: [1.0]}})
+    profile.create_rate_per_s = 4.0
+    loop = VirtualTimeLoop()
+    engine = Engine(profile)
+    rng = random.Random(0)
+    ended: list[float] = []
+
+    async def create() -> None:
+        await engine.run("create", rng)
+        ended.append(loop.time())
+
+    async def main() -> None:
+        await asyncio.gather(*(create() for _ in range(20)))
+
+    try:
+        loop.run_until_complete(main())
+    finally:
+        loop.close()
+    assert max(ended) == pytest.approx(5.0)  # 20 at 4 a second
     assert engine.running == 0 and not engine.jobs
 
 

@@ -99,10 +99,11 @@ class SimSandbox:
 class Job:
     """Something under way on an engine: work left in seconds alone, done at what speed."""
 
-    __slots__ = ("op", "counts", "left", "speed", "done")
+    __slots__ = ("op", "counts", "left", "work", "speed", "done")
 
     def __init__(self, op: str, counts: bool, left: float, done: asyncio.Future) -> None:
         self.op, self.counts, self.left, self.done = op, counts, left, done
+        self.work = left  # all of it, alone: 1 / work is its rate of completion at speed 1
         self.speed = 1.0
 
 
@@ -194,6 +195,15 @@ class Engine:
         load = self.running + self.profile.exec_weight * self._execs
         for job in self.jobs:
             job.speed = 1.0 / self.profile.slowdown(job.op, load - job.counts)
+        cap = self.profile.create_rate_per_s
+        creates = [job for job in self.jobs if job.op == "create"]
+        if cap and creates:
+            # the engine completes no more creates a second than measured, however many
+            # run: past that, each goes slower in proportion
+            rate = sum(job.speed / job.work for job in creates if job.work > 0)
+            if rate > cap:
+                for job in creates:
+                    job.speed *= cap / rate
 
     def _schedule(self, loop: asyncio.AbstractEventLoop) -> None:
         """Wake at the next job's end or the next change of exec load, whichever first."""

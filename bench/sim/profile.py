@@ -52,6 +52,9 @@ class Profile:
     # how many operations' worth of load one exec start is (an exec spawns a process in
     # the container through dockerd, containerd and runc, and streams through its agent)
     exec_weight: float = 1.0
+    # the most creates a second one engine completes, however many it runs at once
+    # (measured flat from 3 to 32 at once here); None: only the slowdowns bound it
+    create_rate_per_s: float | None = None
 
     def __post_init__(self) -> None:
         # op -> the measured loads, 0 first, and the median duration at each
@@ -109,6 +112,7 @@ class Profile:
             "source": self.source,
             "engine_concurrency": self.engine_concurrency,
             "exec_weight": self.exec_weight,
+            "create_rate_per_s": self.create_rate_per_s,
             "samples": self.samples,
             "under_load": {
                 op: {str(k): s for k, s in by_k.items()} for op, by_k in self.under_load.items()
@@ -138,4 +142,5 @@ class Profile:
             data.get("source", str(path)),
             under_load,
             float(data.get("exec_weight", 1.0)),
+            data.get("create_rate_per_s"),
         )
