@@ -36,7 +36,7 @@ from agent.docker_driver import (
 )
 from agent.engine import Work
 from agent.metrics import AgentMetrics
-from agent.reset import kill_and_empty_script, leftovers, main_of, reset_dirs, verify_script
+from agent.reset import leftovers, main_of, reset_dirs, reset_script, split_reset_output
 from agent.store import SandboxRecord, SandboxStore
 from dsec.clock import Clock
 from dsec.httpkit import (
@@ -499,17 +499,19 @@ class Agent:
         spec, cid = sandbox.spec, sandbox.record.container_id
         await self._thaw_locked(sandbox, Work.CLIENT)  # a frozen lease: LEASED again first
         dirs = reset_dirs(spec.workdir)
-        main = None
         for _ in range(RESET_ROUNDS):
-            main = main_of(await self._reset_run("reset", cid, kill_and_empty_script(dirs), spec))
-            # commands of the ended lease were killed: their calls end now (one whose start
-            # raced the kill is killed by the next round)
-            if await self._execs_ended(sandbox, RESET_EXEC_WAIT_S):
+            out = await self._reset_run("reset", cid, reset_script(dirs), spec)
+            # with no command of the ended lease under way, nothing can have started after
+            # the check at the script's end: what it saw is what is left
+            if not sandbox.running_execs:
                 break
+            # its commands were killed: their calls end now, and a round runs again (one
+            # whose start raced the kill is killed by it)
+            await self._execs_ended(sandbox, RESET_EXEC_WAIT_S)
         else:
             raise ApiError(409, "reset_failed", "commands of the ended lease are still running")
-        out = await self._reset_run("reset_verify", cid, verify_script(dirs), spec)
-        if problems := leftovers(out, main or "?"):
+        killed, checked = split_reset_output(out)
+        if problems := leftovers(checked, main_of(killed) or "?"):
             raise ApiError(409, "reset_failed", f"not clean after the reset: {'; '.join(problems)}")
 
     async def _reset_run(self, op: str, container_id: str, script: str, spec: TemplateSpec) -> str:

@@ -133,6 +133,20 @@ def verify_script(dirs: Iterable[str]) -> str:
     return _VERIFY.replace("@STAT@", stat).replace("@DIRS@", _words(dirs))
 
 
+def reset_script(dirs: Iterable[str]) -> str:
+    """Kill, empty, then check, in one command (one exec: the engine's costliest call
+    here): what `kill_and_empty_script` prints up to "emptied", then what
+    `verify_script` prints (`split_reset_output` takes them apart)."""
+    dirs = list(dirs)
+    return kill_and_empty_script(dirs) + verify_script(dirs)
+
+
+def split_reset_output(output: str) -> tuple[str, str]:
+    """(what the kill and empty said, what the check said)."""
+    killed, _, checked = output.partition("emptied\n")
+    return killed, checked
+
+
 def main_of(output: str) -> str | None:
     """The main command's PID, as `kill_and_empty_script` found it."""
     for line in output.splitlines():
