@@ -188,11 +188,12 @@ async def assert_stopped_then_removed(docker_client: docker.DockerClient, sandbo
     removed once its engine is quiet (within 30 s of waiting: agent/engine.py)."""
 
     def container():
+        # sparse: no inspect per container, which races with the removal under way
         found = docker_client.containers.list(
-            all=True, filters={"label": f"{LABEL_SANDBOX}={sandbox_id}"}
+            all=True, sparse=True, filters={"label": f"{LABEL_SANDBOX}={sandbox_id}"}
         )
         return found[0] if found else None
 
     stopped = container()
-    assert stopped is None or stopped.status != "running", f"{sandbox_id} still runs"
+    assert stopped is None or stopped.attrs["State"] != "running", f"{sandbox_id} still runs"
     await eventually(lambda: container() is None, f"the removal of {sandbox_id}", 40)
