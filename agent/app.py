@@ -428,16 +428,17 @@ class Agent:
             await self.store.delete(sandbox_id)
             self.sandboxes.pop(sandbox_id, None)
             self._remember_released(sandbox_id)
-            self._remove_later(record)
+            self._remove_later(record, container_left=not frozen)
             return sandbox.busy_s
 
-    def _remove_later(self, record: SandboxRecord) -> None:
-        """Remove what a destroyed sandbox leaves (its stopped container, snapshot image,
-        work dir archive) when the engine is quiet; shutdown waits for it."""
+    def _remove_later(self, record: SandboxRecord, container_left: bool) -> None:
+        """Remove what a destroyed sandbox leaves (its stopped container unless it is gone
+        already, snapshot image, work dir archive) when the engine is quiet; shutdown
+        waits for it."""
 
         async def remove() -> None:
             try:
-                if record.container_id:
+                if record.container_id and container_left:
                     await self.docker.remove(record.container_id)
                 if record.hibernated_image:
                     await self.docker.remove_image(record.hibernated_image)
@@ -500,7 +501,7 @@ class Agent:
         await self._thaw_locked(sandbox, Work.CLIENT)  # a frozen lease: LEASED again first
         dirs = reset_dirs(spec.workdir)
         for _ in range(RESET_ROUNDS):
-            out = await self._reset_run("reset", cid, reset_script(dirs), spec)
+            out = await self._reset_run(cid, reset_script(dirs), spec)
             # with no command of the ended lease under way, nothing can have started after
             # the check at the script's end: what it saw is what is left
             if not sandbox.running_execs:
@@ -514,9 +515,9 @@ class Agent:
         if problems := leftovers(checked, main_of(killed) or "?"):
             raise ApiError(409, "reset_failed", f"not clean after the reset: {'; '.join(problems)}")
 
-    async def _reset_run(self, op: str, container_id: str, script: str, spec: TemplateSpec) -> str:
+    async def _reset_run(self, container_id: str, script: str, spec: TemplateSpec) -> str:
         try:
-            code, out, err = await self.docker.run_as(op, container_id, script, spec.user)
+            code, out, err = await self.docker.run_as("reset", container_id, script, spec.user)
         except DockerOpError as e:
             self._docker_failed(e)
             # a container that stopped (its main command died) is the sandbox's fault
@@ -525,7 +526,7 @@ class Agent:
         text = out.decode("utf-8", "replace")
         if code != 0:
             said = (text + err.decode("utf-8", "replace")).strip()[-300:]
-            raise ApiError(409, "reset_failed", f"{op} exited with {code}: {said}")
+            raise ApiError(409, "reset_failed", f"reset exited with {code}: {said}")
         return text
 
     async def _execs_ended(self, sandbox: Sandbox, timeout_s: float) -> bool:

@@ -1,6 +1,7 @@
 """Recycling a released sandbox: what a reset runs inside its container, and its check.
 
-A reset is two commands, both run as the sandbox's own user (the template's `user`).
+A reset is one command in two parts, run as the sandbox's own user (the template's
+`user`).
 Not as root: the container has every capability dropped, so its root could neither
 signal the user's processes (no CAP_KILL) nor delete in the user's work dir (no
 CAP_DAC_OVERRIDE); the user itself can do both, and nothing in the sandbox runs as
@@ -12,8 +13,8 @@ anyone else (no-new-privileges, no setuid).
    empties the work dir, /tmp, /dev/shm and /dev/mqueue (dotfiles included, unreadable
    directories made readable first) and removes SysV IPC objects when the image has
    `ipcrm`.
-2. `verify`: lists, with shell builtins only (so it sees no process of its own but
-   itself), every process still there, every entry left in those directories and
+2. `verify`, in the same shell right after: lists, with shell builtins only (so it
+   sees no process of its own but itself), every process still there, every entry left in those directories and
    every SysV IPC object. The agent accepts the reset only when that is PID 1 and the
    main command, and nothing else.
 

@@ -8,8 +8,19 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from controlplane.cloud import CloudConfig
 from dsec.baselines import PolicyName
+from dsec.httpkit import ApiError
 from dsec.image import BASE_IMAGE
 from dsec.models import Name, PoolParams, TemplateSpec
+
+
+def unknown_name(field: str, name: str, known) -> ApiError:
+    """The 422 for a request naming a pool or template that does not exist."""
+    return ApiError(
+        422,
+        f"unknown_{field}",
+        f"no {field} named {name!r}",
+        [{"loc": field, "msg": f"known: {sorted(known)}"}],
+    )
 
 
 def default_templates() -> dict[str, TemplateSpec]:

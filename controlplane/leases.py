@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 from controlplane.actuator import Actuator
 from controlplane.agents import CallResult
-from controlplane.config import ControlPlaneConfig
+from controlplane.config import ControlPlaneConfig, unknown_name
 from controlplane.metrics import ControlPlaneMetrics
 from controlplane.queue import PendingRequest, RequestQueues, scoped_key
 from controlplane.spent import SpentKeys
@@ -166,12 +166,7 @@ class Leases:
             ("template", body.template, self.config.templates),
         ):
             if name not in known:
-                raise ApiError(
-                    422,
-                    f"unknown_{field}",
-                    f"no {field} named {name!r}",
-                    [{"loc": field, "msg": f"known: {sorted(known)}"}],
-                )
+                raise unknown_name(field, name, known)
         key = scoped_key(owner, body.idempotency_key)
         if key is not None and key not in self.by_key:
             await self._resync(body.timeout_s)

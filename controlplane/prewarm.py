@@ -20,7 +20,7 @@ import logging
 import math
 from dataclasses import dataclass
 
-from controlplane.config import ControlPlaneConfig
+from controlplane.config import ControlPlaneConfig, unknown_name
 from controlplane.view import ClusterView
 from dsec.httpkit import ApiError
 from dsec.models import PrewarmInfo, PrewarmRequest, TemplateSpec
@@ -107,12 +107,7 @@ class Prewarms:
             )
         spec = config.templates.get(template)
         if spec is None:
-            raise ApiError(
-                422,
-                "unknown_template",
-                f"no template named {template!r}",
-                [{"loc": "template", "msg": f"known: {sorted(config.templates)}"}],
-            )
+            raise unknown_name("template", template, config.templates)
         held = sum(
             1
             for state in HELD

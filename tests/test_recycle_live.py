@@ -98,7 +98,7 @@ def lines(output: str, kind: str) -> list[str]:
 
 
 async def reset_seconds(agent_url: str) -> tuple[float, int]:
-    """The agent's reset time, all told: dsec_agent_docker_op_seconds for both commands."""
+    """The agent's reset time, all told: dsec_agent_docker_op_seconds of its command."""
     async with aiohttp.ClientSession() as http:
         async with http.get(f"{agent_url}/metrics") as resp:
             text = await resp.text()
@@ -106,7 +106,7 @@ async def reset_seconds(agent_url: str) -> tuple[float, int]:
     for line in text.splitlines():
         value = line.rsplit(" ", 1)[-1]
         if line.startswith("dsec_agent_docker_op_seconds_sum") and 'op="reset' in line:
-            total += float(value)  # op="reset" and op="reset_verify"
+            total += float(value)
         if line.startswith("dsec_agent_docker_op_seconds_count") and 'op="reset"' in line:
             count += int(float(value))
     return total, count
