@@ -14,9 +14,9 @@ anyone else (no-new-privileges, no setuid).
    directories made readable first) and removes SysV IPC objects when the image has
    `ipcrm`.
 2. `verify`, in the same shell right after: lists, with shell builtins only (so it
-   sees no process of its own but itself), every process still there, every entry left in those directories and
-   every SysV IPC object. The agent accepts the reset only when that is PID 1 and the
-   main command, and nothing else.
+   sees no process of its own but itself), every process still there, every entry
+   left in those directories and every SysV IPC object. The agent accepts the reset
+   only when that is PID 1 and the main command, and nothing else.
 
 The image needs `sh` (with `kill`, `read`, `echo` and `[` built in), `rm` and `chmod`,
 as the base image's busybox has: a template says so with `recyclable: true`. Whatever
