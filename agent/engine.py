@@ -67,10 +67,10 @@ class CreateLimit:
 
 
 class EngineQueue:
-    """Admits engine operations by priority. A client's work starts at once (it runs on
-    threads of its own); the rest at most `slots` at once (the agent's threads for
-    lifecycle calls), at most `creates.limit` of them creates, and a removal only when no
-    other work waits and no create runs (or once it has waited REMOVE_WAITS_AT_MOST_S)."""
+    """Admits engine operations by priority. A client's work starts at once; the rest at
+    most `slots` at once (lifecycle calls the engine is given together), at most
+    `creates.limit` of them creates, and a removal only when no other work waits and no
+    create runs (or once it has waited REMOVE_WAITS_AT_MOST_S)."""
 
     def __init__(self, slots: int, creates: CreateLimit, now) -> None:
         self.slots = slots

@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sqlite3
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+from dsec.statedir import open_private, private_dir, restrict
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS sandboxes (
@@ -46,7 +49,11 @@ class SandboxStore:
 
     def _connect(self) -> sqlite3.Connection:
         if self._conn is None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+            private_dir(self.path.parent)
+            # made (or made again) 0600 before SQLite opens it: SQLite gives its -wal and
+            # -shm files the database's mode, and those left by an older agent get it here
+            os.close(open_private(self.path, os.O_RDWR))
+            restrict(*(self.path.with_name(self.path.name + s) for s in ("-wal", "-shm")))
             self._conn = sqlite3.connect(self.path)
             self._conn.execute("PRAGMA journal_mode=WAL")
             self._conn.execute("PRAGMA synchronous=NORMAL")

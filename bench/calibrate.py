@@ -37,7 +37,10 @@ import aiohttp
 import docker
 import requests
 
-from agent.docker_driver import LABEL_NODE, DockerDriver
+# a node gives its engine as many lifecycle calls at once as LIFECYCLE_SLOTS; the measured
+# loads say how much slower each gets
+from agent.docker_driver import LABEL_NODE, LIFECYCLE_SLOTS, DockerOpError
+from bench.blocking_docker import BlockingDocker
 from bench.live_latency import _wait_warm
 from bench.replay_live import DEFAULT_NODES
 from bench.sim.profile import OPS, Profile
@@ -53,15 +56,13 @@ BATCH = 10  # warm sandboxes per turn of acquires
 LEASE_SAMPLES_FACTOR = 3
 EXEC_LOOPS = 2  # exec loops beside the cold acquires that weigh an exec against a create
 COLD_TURN = 5  # cold acquires per turn, alone or beside the exec loops
-# a node runs as many Docker operations at once as its agent has lifecycle threads
-# (agent.docker_driver.AsyncDocker); the measured loads say how much slower each gets
-AGENT_LIFECYCLE_THREADS = 8
 ACQUIRE_GAP_S = 0.02  # between acquires of a turn: each meets the load, not the last one
 LOAD_SETTLE_S = 0.3  # background loops run this long before a turn starts
 
 # what a calibration that cannot reach or drive Docker, or its pool, fails with
 CALIBRATE_ERRORS = (
     docker.errors.DockerException,
+    DockerOpError,
     requests.RequestException,
     LocalPoolError,
     DsecError,
@@ -86,7 +87,7 @@ class Engine:
     def __init__(self) -> None:
         client = docker.from_env()
         ensure_base_image(client)
-        self.driver = DockerDriver(client)
+        self.driver = BlockingDocker()
         self.spec = TemplateSpec(name="base", image=BASE_IMAGE)
         self.node = f"calibrate-{uuid.uuid4().hex[:6]}"
         self._names = iter(range(1 << 62))
@@ -101,8 +102,8 @@ class Engine:
         """Remove every container of this node: what a failed calibration left."""
         try:
             for container in self.driver.list_labelled(self.node):
-                self.driver.remove(container.id)
-        except (docker.errors.DockerException, requests.RequestException) as e:
+                self.driver.remove(container.container_id)
+        except DockerOpError as e:
             print(f"calibrate: could not remove containers labelled {LABEL_NODE}={self.node}: "
                   f"{e}", file=sys.stderr)  # fmt: skip
 
@@ -299,13 +300,14 @@ def calibrate(n: int, nodes: int = DEFAULT_NODES) -> Profile:
         samples, under_load, create_rate = docker_samples(engine, n)
     finally:
         engine.sweep()
+        engine.driver.close()
     pooled, pooled_loaded, cold = asyncio.run(pool_samples(n, nodes))
     samples.update(pooled)
     under_load.update(pooled_loaded)
     # a restore is a create plus unpacking the work dir through an exec
     samples["restore"] = [c + e for c, e in zip(samples["create"], samples["exec"], strict=False)]
     assert set(samples) == set(OPS)
-    profile = Profile(samples, engine_concurrency=AGENT_LIFECYCLE_THREADS,
+    profile = Profile(samples, engine_concurrency=LIFECYCLE_SLOTS,
                       under_load=under_load, create_rate_per_s=round(create_rate, 2))  # fmt: skip
     profile.exec_weight = round(exec_weight(lambda k: profile.slowdown("create", k), cold), 3)
     profile.source = (

@@ -2,7 +2,7 @@
 with the Docker SDK, no pool in between. The baseline of `bench.burst` (a container
 per request) and `bench.churn` (create, execs, remove per episode).
 
-Containers are made by the agents' own `DockerDriver.create` from the base template
+Containers are made by the agents' own driver (`bench.blocking_docker`) from the base template
 (`default_templates()["base"]`: the same image, hardening and limits as a sandbox),
 on a client with one connection per thread. Each carries the labels of a sandbox
 (`agent.docker_driver.LABEL_*`) under a node id of its own, `bench-floor-<hex>`, so the
@@ -22,19 +22,22 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import docker
-from docker.errors import DockerException, NotFound
+from docker.errors import DockerException
 
 from agent.docker_driver import (
     LABEL_NODE,
     LABEL_POOL,
     LABEL_SANDBOX,
     LABEL_TEMPLATE,
-    DockerDriver,
+    DockerOpError,
 )
+from bench.blocking_docker import BlockingDocker
 from controlplane.config import default_templates
 from dsec.models import TemplateSpec
 
 BURST_THREADS = 32  # the issue's baseline: a container per request from 32 threads
+# what a floor's create (the agent's driver) or exec (the Docker SDK) fails with
+ENGINE_ERRORS = (DockerException, DockerOpError)
 FLOOR_POOL = "engine-floor"  # the dsec.pool label of the floor's containers
 
 
@@ -68,7 +71,7 @@ class EngineFloor:
         self.threads = threads
         self.spec = template or default_templates()["base"]
         self.client = docker.from_env(max_pool_size=max(threads, 10))
-        self.driver = DockerDriver(self.client)
+        self.driver = BlockingDocker()
         self.swept_at_close = 0  # containers the close had to remove: a run's cleanup missed them
         self.left_after_close = 0  # containers of this floor still there after that sweep
 
@@ -83,6 +86,7 @@ class EngineFloor:
             self.swept_at_close = self.sweep()
             self.left_after_close = len(self.labelled())
         finally:
+            self.driver.close()
             self.client.close()
 
     # --- one container -------------------------------------------------------------
@@ -119,7 +123,7 @@ class EngineFloor:
         """Remove every container of this floor; returns how many there were."""
         found = self.labelled()
         for container_id in found:
-            with contextlib.suppress(NotFound):
+            with contextlib.suppress(DockerOpError):
                 self.driver.remove(container_id)
         return len(found)
 
@@ -137,7 +141,7 @@ class EngineFloor:
         def one(i: int, arrival: float) -> None:
             try:
                 container_id = self.create()
-            except DockerException as e:
+            except ENGINE_ERRORS as e:
                 with lock:
                     result.failures.append(f"request {i}: {type(e).__name__}: {e}")
                 return
@@ -164,7 +168,7 @@ class EngineFloor:
                 try:
                     f.result()
                     result.removed += 1
-                except DockerException as e:
+                except ENGINE_ERRORS as e:
                     result.failures.append(f"remove: {type(e).__name__}: {e}")
             result.remove_s = time.perf_counter() - removing
         return result
@@ -206,7 +210,7 @@ class EngineFloor:
             while (i := next(todo)) < episodes:
                 try:
                     episode(i)
-                except (DockerException, RuntimeError) as e:
+                except (*ENGINE_ERRORS, RuntimeError) as e:
                     with lock:
                         result.failures.append(f"episode {i}: {type(e).__name__}: {e}")
 

@@ -30,8 +30,9 @@ from aiohttp import web
 from bench.stats import summary_ms
 from controlplane.app import create_controlplane_app
 from controlplane.config import ControlPlaneConfig
+from controlplane.identities import Identities
 from dsec.clock import SystemClock
-from dsec.models import Capacity, NodeReport, PoolParams, SandboxReport, Usage
+from dsec.models import Capacity, NodeReport, PoolParams, SandboxRow, SandboxTable, Usage
 from dsec.states import SandboxState
 from dsec.tokens import new_token
 
@@ -47,16 +48,20 @@ def node_reports(sandboxes: int, nodes: int) -> list[NodeReport]:
     for n in range(nodes):
         node_id = f"bench-{n + 1}"
         mine = [
-            SandboxReport(
+            SandboxRow(
                 id=f"{node_id}.{secrets.token_hex(8)}",
                 pool=POOLS[i % len(POOLS)],
                 template="base",
                 state=LEASED_STATES[i % len(LEASED_STATES)],
                 created_at=time.time(),
-                lease_id=secrets.token_hex(16),
                 cpus=0.5,
                 memory_mb=256,
+                lease_id=secrets.token_hex(16),
+                idempotency_key=None,
+                owner=None,
                 busy_s=float(i % 60),
+                active_at=time.monotonic(),
+                frozen_at=None,
             )
             for i in range(n, sandboxes, nodes)
         ]
@@ -67,20 +72,22 @@ def node_reports(sandboxes: int, nodes: int) -> list[NodeReport]:
                 url=f"http://127.0.0.{n + 2}:9",  # never called: nothing is asked of it
                 capacity=Capacity(cpus=1000, memory_mb=1 << 20, slots=10_000),
                 usage=Usage(cpus=0.5 * len(mine), memory_mb=256 * len(mine), slots=len(mine)),
-                sandboxes=mine,
+                sandboxes=SandboxTable.of(mine),
                 incarnation=secrets.token_hex(8),
+                clock=time.monotonic(),
+                seq=1,
             )
         )
     return reports
 
 
 @asynccontextmanager
-async def control_plane(agent_token: str) -> AsyncIterator[str]:
-    """A control plane on a free loopback port; yields its URL."""
+async def control_plane() -> AsyncIterator[tuple[str, Identities]]:
+    """A control plane on a free loopback port; yields its URL and its nodes' credentials."""
     config = ControlPlaneConfig(
         port=0,
         admin_tokens=[new_token()],
-        agent_token=agent_token,
+        agent_token=new_token(),
         pools={name: PoolParams(min_warm=0, templates=[]) for name in POOLS},
         heartbeat_timeout_s=3600,  # one heartbeat must last the whole run
     )
@@ -89,21 +96,24 @@ async def control_plane(agent_token: str) -> AsyncIterator[str]:
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
     try:
-        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
+        yield f"http://127.0.0.1:{runner.addresses[0][1]}", Identities.of(config)
     finally:
         await runner.cleanup()
 
 
-async def register(http: aiohttp.ClientSession, url: str, token: str, reports) -> None:
-    headers = {"Authorization": f"Bearer {token}", "Content-Type": "application/json"}
+async def register(http: aiohttp.ClientSession, url: str, identities: Identities, reports) -> None:
     for report in reports:
+        headers = {
+            "Authorization": f"Bearer {identities.node_token(report.node_id)}",
+            "Content-Type": "application/json",
+        }
         async with http.put(
             f"{url}/v1/agents/{report.node_id}", data=report.model_dump_json(), headers=headers
         ) as resp:
             resp.raise_for_status()
     async with http.get(f"{url}/healthz") as resp:
         known = (await resp.json())["sandboxes"]
-    expected = sum(len(r.sandboxes) for r in reports)
+    expected = sum(len(r.sandboxes.id) for r in reports)
     if known != expected:
         raise RuntimeError(f"the control plane knows {known} sandboxes, not {expected}")
 
@@ -121,13 +131,12 @@ def series_count(body: bytes) -> int:
 
 
 async def run(sandboxes: int, nodes: int, runs: int) -> dict:
-    agent_token = new_token()
     async with (
-        control_plane(agent_token) as empty_url,
-        control_plane(agent_token) as full_url,
+        control_plane() as (empty_url, _),
+        control_plane() as (full_url, identities),
         aiohttp.ClientSession() as http,
     ):
-        await register(http, full_url, agent_token, node_reports(sandboxes, nodes))
+        await register(http, full_url, identities, node_reports(sandboxes, nodes))
         for _ in range(WARMUP_RUNS):
             await scrape_once(http, empty_url)
             await scrape_once(http, full_url)

@@ -43,8 +43,8 @@ import aiohttp
 import docker
 from docker.errors import DockerException
 
-from agent.app import HIBERNATED_REPOSITORY
 from agent.docker_driver import LABEL_NODE
+from agent.node import HIBERNATED_REPOSITORY
 from bench.stats import summary_ms
 from dsec.cli import format_table
 from dsec.cli.up import LocalPool, LocalPoolError, LocalPoolSpec

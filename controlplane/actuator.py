@@ -101,7 +101,8 @@ class Actuator:
     def in_flight(self, sandbox_id: str) -> asyncio.Task | None:
         return self.ops.get(sandbox_id)
 
-    def _track(self, task: asyncio.Task) -> None:
+    def track(self, task: asyncio.Task) -> None:
+        """Keep a side effect that is about no one sandbox until it ends (drain waits)."""
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
 
@@ -219,7 +220,8 @@ class Actuator:
             self.metrics.scale_events.labels(entry.pool, action).inc()
 
         async def run() -> None:
-            self._on_destroyed(entry, await self.call(entry, self.agents.destroy, entry.id))
+            result = await self.call(entry, self.agents.destroy, entry.id, entry.ended)
+            self._on_destroyed(entry, result)
 
         return self.spawn(entry, run())
 
@@ -324,7 +326,7 @@ class Actuator:
             except Exception as e:  # a provider failure is data for the next tick
                 log.warning("cloud provisioning failed: %s", e)
 
-        self._track(asyncio.ensure_future(run()))
+        self.track(asyncio.ensure_future(run()))
 
     def release_cloud(self, node_id: str, reason: str) -> None:
         node = self.view.nodes.get(node_id)
@@ -341,4 +343,4 @@ class Actuator:
             self.view.drop_node(node_id)
             log.info("released cloud node %s: %s", node_id, reason)
 
-        self._track(asyncio.ensure_future(run()))
+        self.track(asyncio.ensure_future(run()))

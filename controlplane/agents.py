@@ -9,13 +9,15 @@ request id, so an agent can recognise a retry. Failures come back as data in a
 from __future__ import annotations
 
 import json
+import ssl
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Literal, Protocol
 
 import aiohttp
 from pydantic import BaseModel
 
-from dsec.models import CreateSandbox, LeaseGrant, ResetSandbox
+from controlplane.identities import Identities
+from dsec.models import CreateSandbox, LeaseEnd, LeaseGrant, ResetSandbox
 
 
 @dataclass(frozen=True)
@@ -73,8 +75,11 @@ class AgentClient(Protocol):
     async def hibernate(self, node: AgentAddress, sandbox_id: str) -> CallResult:
         """Keep a paused sandbox's files, remove its container."""
 
-    async def destroy(self, node: AgentAddress, sandbox_id: str) -> CallResult:
-        """Remove a sandbox and all it keeps; `busy_s` says what it ran, all time."""
+    async def destroy(
+        self, node: AgentAddress, sandbox_id: str, ended: LeaseEnd = "released"
+    ) -> CallResult:
+        """Remove a sandbox and all it keeps; `busy_s` says what it ran, all time.
+        `ended` is what the agent tells a client that still calls it."""
 
     async def reset(self, node: AgentAddress, sandbox_id: str, req: ResetSandbox) -> CallResult:
         """Recycle a released sandbox: end its lease, kill its processes, empty its work
@@ -82,18 +87,24 @@ class AgentClient(Protocol):
 
 
 class HttpAgents:
-    """AgentClient over the agents' HTTP API (`agent.app`)."""
+    """AgentClient over the agents' HTTP API (`agent.app`). Each call carries the call
+    token of the node it goes to (controlplane/identities.py), which no other node knows."""
 
-    def __init__(self, agent_token: str, timeout_s: float = 30.0) -> None:
-        self.agent_token = agent_token
+    def __init__(
+        self,
+        identities: Identities,
+        timeout_s: float = 30.0,
+        verify: ssl.SSLContext | Literal[True] = True,
+    ) -> None:
+        self.identities = identities
         self.timeout_s = timeout_s
+        self.verify = verify  # what https agents are verified with (dsec.tls.client_ssl)
         self.http: aiohttp.ClientSession | None = None
 
     async def start(self) -> None:
         self.http = aiohttp.ClientSession(
-            headers={"Authorization": f"Bearer {self.agent_token}"},
             timeout=aiohttp.ClientTimeout(total=self.timeout_s),
-            connector=aiohttp.TCPConnector(limit=0, limit_per_host=64),
+            connector=aiohttp.TCPConnector(limit=0, limit_per_host=64, ssl=self.verify),
         )
 
     async def close(self) -> None:
@@ -101,11 +112,11 @@ class HttpAgents:
             await self.http.close()
 
     async def create(self, node: AgentAddress, spec: CreateSandbox) -> CallResult:
-        return await self._call("POST", f"{node.url}/v1/sandboxes", spec, spec.request_id)
+        return await self._call(node, "POST", f"{node.url}/v1/sandboxes", spec, spec.request_id)
 
     async def lease(self, node: AgentAddress, sandbox_id: str, grant: LeaseGrant) -> CallResult:
         url = f"{node.url}/v1/sandboxes/{sandbox_id}/lease"
-        return await self._call("POST", url, grant, grant.request_id)
+        return await self._call(node, "POST", url, grant, grant.request_id)
 
     async def pause(self, node: AgentAddress, sandbox_id: str) -> CallResult:
         return await self._verb(node, sandbox_id, "pause")
@@ -116,22 +127,28 @@ class HttpAgents:
     async def hibernate(self, node: AgentAddress, sandbox_id: str) -> CallResult:
         return await self._verb(node, sandbox_id, "hibernate")
 
-    async def destroy(self, node: AgentAddress, sandbox_id: str) -> CallResult:
-        return await self._call("DELETE", f"{node.url}/v1/sandboxes/{sandbox_id}", None, sandbox_id)
+    async def destroy(
+        self, node: AgentAddress, sandbox_id: str, ended: LeaseEnd = "released"
+    ) -> CallResult:
+        url = f"{node.url}/v1/sandboxes/{sandbox_id}?ended={ended}"
+        return await self._call(node, "DELETE", url, None, sandbox_id)
 
     async def reset(self, node: AgentAddress, sandbox_id: str, req: ResetSandbox) -> CallResult:
         url = f"{node.url}/v1/sandboxes/{sandbox_id}/reset"
-        return await self._call("POST", url, req, req.request_id)
+        return await self._call(node, "POST", url, req, req.request_id)
 
     async def _verb(self, node: AgentAddress, sandbox_id: str, verb: str) -> CallResult:
         url = f"{node.url}/v1/sandboxes/{sandbox_id}/{verb}"
-        return await self._call("POST", url, None, sandbox_id)
+        return await self._call(node, "POST", url, None, sandbox_id)
 
     async def _call(
-        self, method: str, url: str, body: BaseModel | None, request_id: str
+        self, node: AgentAddress, method: str, url: str, body: BaseModel | None, request_id: str
     ) -> CallResult:
         assert self.http is not None, "HttpAgents.start() was not awaited"
-        headers = {"X-Request-Id": request_id}
+        headers = {
+            "Authorization": f"Bearer {self.identities.call_token(node.id)}",
+            "X-Request-Id": request_id,
+        }
         data = None
         if body is not None:
             data = body.model_dump_json()

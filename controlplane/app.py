@@ -15,12 +15,15 @@ from collections.abc import AsyncIterator
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import ValidationError
 
 from controlplane.agents import AgentClient, HttpAgents
 from controlplane.cloud import CloudProvider
 from controlplane.config import ControlPlaneConfig
+from controlplane.identities import Identities, check_agent_url
 from controlplane.metrics import UNKNOWN_POOL
 from controlplane.scheduler import Scheduler, build_scheduler
+from controlplane.view import SandboxEntry
 from dsec.clock import Clock
 from dsec.httpkit import (
     Api,
@@ -32,30 +35,37 @@ from dsec.httpkit import (
     require_token,
     sandbox_id_param,
     token_matches,
+    validation_details,
 )
 from dsec.models import (
+    MAX_REPORT_BYTES,
     NAME_PATTERN,
     AcquireRequest,
     Capacity,
     Lease,
+    LeaseRenewed,
+    NodeIdentity,
     NodeInfo,
     NodeList,
     NodeReport,
     PoolInfo,
     PoolList,
     PoolParams,
+    PoolPatch,
     PrewarmInfo,
     PrewarmRequest,
     Released,
+    ReportAck,
     SandboxInfo,
     SandboxList,
     Usage,
 )
 from dsec.policy import Resources
-from dsec.states import SandboxState
+from dsec.states import ASSIGNED, SandboxState
 from dsec.tokens import LEASE_TOKEN_HEADER, client_id
 
 SCHEDULER = web.AppKey("scheduler", Scheduler)
+IDENTITIES = web.AppKey("identities", Identities)
 
 
 def _scheduler(request: web.Request) -> Scheduler:
@@ -71,6 +81,15 @@ def _client(request: web.Request) -> Scheduler:
 def _admin(request: web.Request) -> Scheduler:
     s = _scheduler(request)
     require_token(request, s.config.admin_tokens)
+    return s
+
+
+def _metrics_reader(request: web.Request) -> Scheduler:
+    """Prometheus: the metrics token (or an admin token) when one is required."""
+    s = _scheduler(request)
+    readers = s.config.metrics_readers(*s.config.admin_tokens)
+    if readers is not None:
+        require_token(request, readers)
     return s
 
 
@@ -121,17 +140,47 @@ async def list_sandboxes(request: web.Request) -> web.Response:
     return model_response(SandboxList(sandboxes=[s.leases.info_of(e) for e in entries]))
 
 
-async def get_sandbox(request: web.Request) -> web.Response:
-    s = _client(request)
+def _visible_entry(request: web.Request, s: Scheduler) -> SandboxEntry:
+    """The sandbox named in the path, if the caller may see it; else why not."""
     sandbox_id = sandbox_id_param(request)
     entry = s.view.sandboxes.get(sandbox_id)
     if entry is not None and not _visible_to(request, s)(entry):
         entry = None  # another client's: as if it did not exist
     if entry is None:
+        s.leases.check_not_expired(sandbox_id)
         if sandbox_id in s.view.released:
             raise ApiError(410, "released", f"sandbox {sandbox_id} was released")
         raise ApiError(404, "unknown_sandbox", f"no sandbox {sandbox_id}")
-    return model_response(s.leases.info_of(entry))
+    return entry
+
+
+async def get_sandbox(request: web.Request) -> web.Response:
+    s = _client(request)
+    return model_response(s.leases.info_of(_visible_entry(request, s)))
+
+
+async def renew_lease(request: web.Request) -> web.Response:
+    s = _client(request)
+    return model_response(s.leases.renew(_visible_entry(request, s)))
+
+
+async def get_lease(request: web.Request) -> web.Response:
+    """The lease of a sandbox the caller holds, token included: a process that did not
+    acquire it (the CLI) can then run commands in it. `path` and `schedule_ms` are not
+    kept past the acquire: this answer says "warm" and 0, as a repeated acquire does."""
+    s = _client(request)
+    sandbox_id = sandbox_id_param(request)
+    entry = s.view.sandboxes.get(sandbox_id)
+    if entry is not None and not _visible_to(request, s)(entry):
+        entry = None  # another client's: as if it did not exist, as GET answers
+    if entry is None:
+        if sandbox_id in s.view.released:
+            raise ApiError(410, "released", f"sandbox {sandbox_id} was released")
+        raise ApiError(404, "unknown_sandbox", f"no sandbox {sandbox_id}")
+    # a lost sandbox's lease still stands: its holder needs the token to release it
+    if entry.lease_id is None or not (entry.state in ASSIGNED or entry.state == SandboxState.LOST):
+        raise ApiError(409, "not_leased", f"sandbox {sandbox_id} is {entry.state}, not leased")
+    return model_response(s.leases.lease_of(entry, "warm", 0.0))
 
 
 async def release(request: web.Request) -> web.Response:
@@ -146,14 +195,38 @@ async def release(request: web.Request) -> web.Response:
     )
 
 
+def _node_id_param(request: web.Request) -> str:
+    node_id = request.match_info["node_id"]
+    if not re.match(NAME_PATTERN, node_id):
+        raise ApiError(400, "invalid_node_id", f"not a node id: {node_id!r}")
+    return node_id
+
+
+async def agent_join(request: web.Request) -> web.Response:
+    """A node's credentials (controlplane/identities.py), for its own node token or the
+    pool's join token."""
+    identities = request.app[IDENTITIES]
+    require_token(request, identities.may_join_as(request.match_info["node_id"]))
+    return model_response(identities.issue(_node_id_param(request)))
+
+
 async def agent_heartbeat(request: web.Request) -> web.Response:
     s = _scheduler(request)
-    require_token(request, [s.config.agent_token])
-    report = await read_model(request, NodeReport)
+    # that node's own token and no other: one node cannot report as another
+    require_token(request, [request.app[IDENTITIES].node_token(request.match_info["node_id"])])
+    try:
+        # a limit of its own, past the client routes': a full report of a node's most
+        # sandboxes fits (gzipped on the wire; the limit counts the unzipped bytes)
+        report = await read_model(request.clone(client_max_size=MAX_REPORT_BYTES), NodeReport)
+    except web.HTTPRequestEntityTooLarge:
+        raise ApiError(
+            413, "body_too_large", f"a report is over {MAX_REPORT_BYTES} bytes"
+        ) from None
     if report.node_id != request.match_info["node_id"]:
         raise ApiError(422, "node_mismatch", "the report names another node than the URL")
-    s.on_report(report)
-    return web.json_response({"status": "ok"})
+    # placements and its clients' commands go there: only where the operator allows
+    check_agent_url(report.url, s.config.agent_urls)
+    return model_response(s.on_report(report))
 
 
 async def list_nodes(request: web.Request) -> web.Response:
@@ -210,6 +283,23 @@ async def put_pool(request: web.Request) -> web.Response:
     return model_response(_pool_info(s, name))
 
 
+async def patch_pool(request: web.Request) -> web.Response:
+    s = _admin(request)
+    name = request.match_info["name"]
+    if name not in s.config.pools:
+        raise ApiError(404, "unknown_pool", f"no pool named {name!r}")
+    patch = await read_model(request, PoolPatch)
+    merged = {**s.config.pools[name].model_dump(), **patch.model_dump(exclude_unset=True)}
+    try:
+        params = PoolParams.model_validate(merged)
+    except ValidationError as e:
+        raise ApiError(
+            422, "validation_error", f"pool {name!r} would be invalid", validation_details(e)
+        ) from e
+    s.set_pool(name, params)
+    return model_response(_pool_info(s, name))
+
+
 async def prewarm_pool(request: web.Request) -> web.Response:
     s = _client(request)  # a trainer announcing its next burst is a client
     name = request.match_info["name"]
@@ -220,11 +310,17 @@ async def prewarm_pool(request: web.Request) -> web.Response:
 
 
 async def prometheus_sd(request: web.Request) -> web.Response:
-    s = _scheduler(request)
+    s = _metrics_reader(request)  # it lists every agent's address
     groups = [
         {
-            "targets": [n.url.removeprefix("http://")],
-            "labels": {"node": n.id, "kind": n.kind, "job": "dsec-agent"},
+            # Prometheus takes host:port, and the scheme (https with TLS) as a label
+            "targets": [n.url.partition("://")[2]],
+            "labels": {
+                "__scheme__": n.url.partition("://")[0],
+                "node": n.id,
+                "kind": n.kind,
+                "job": "dsec-agent",
+            },
         }
         for n in s.view.nodes.values()
         if n.healthy
@@ -233,7 +329,7 @@ async def prometheus_sd(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
-    body = generate_latest(_scheduler(request).metrics.registry)
+    body = generate_latest(_metrics_reader(request).metrics.registry)
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
@@ -265,12 +361,28 @@ def controlplane_api() -> Api:
         "GET", "/v1/sandboxes/{sandbox_id}", get_sandbox, answer=SandboxInfo, summary="one sandbox"
     )
     api.route(
+        "GET",
+        "/v1/sandboxes/{sandbox_id}/lease",
+        get_lease,
+        answer=Lease,
+        summary="the lease of a sandbox the caller holds (an operator: any), with its token; "
+        'path and schedule_ms say "warm" and 0: the acquire\'s own are not kept',
+    )
+    api.route(
         "DELETE",
         "/v1/sandboxes/{sandbox_id}",
         release,
         answer=Released,
         summary="release a leased sandbox; it is removed (or reset and warm again, when "
         "its pool recycles)",
+    )
+    api.route(
+        "POST",
+        "/v1/sandboxes/{sandbox_id}/renew",
+        renew_lease,
+        answer=LeaseRenewed,
+        summary="the lease's client is alive: its idle timeout starts again (client token "
+        "holding the lease)",
     )
     api.route("GET", "/v1/nodes", list_nodes, answer=NodeList, summary="registered nodes")
     api.route("GET", "/v1/pools", list_pools, answer=PoolList, summary="pools and parameters")
@@ -281,6 +393,15 @@ def controlplane_api() -> Api:
         body=PoolParams,
         answer=PoolInfo,
         summary="set a pool's parameters live (admin); a bad value changes nothing",
+    )
+    api.route(
+        "PATCH",
+        "/v1/pools/{name}",
+        patch_pool,
+        body=PoolPatch,
+        answer=PoolInfo,
+        summary="change some of a pool's parameters (admin): only the fields sent; the "
+        "result is checked as a whole, and a bad value changes nothing",
     )
     api.route(
         "POST",
@@ -296,7 +417,18 @@ def controlplane_api() -> Api:
         "/v1/agents/{node_id}",
         agent_heartbeat,
         body=NodeReport,
-        summary="an agent's registration and heartbeat (agent token)",
+        answer=ReportAck,
+        summary="an agent's registration and heartbeat (that node's own node token): a full "
+        "report or a delta, from an address agent_urls allows; the answer says which report "
+        "the control plane has applied",
+    )
+    api.route(
+        "POST",
+        "/v1/agents/{node_id}/join",
+        agent_join,
+        answer=NodeIdentity,
+        summary="a node joins (its own node token, or the join token): its credentials, "
+        "bound to its node id",
     )
     api.route(
         "GET",
@@ -317,10 +449,12 @@ def create_controlplane_app(
     agents: AgentClient | None = None,
 ) -> web.Application:
     """The control plane, calling its agents over HTTP unless `agents` says otherwise."""
-    agents = agents or HttpAgents(config.agent_token)
+    identities = Identities.of(config)
+    agents = agents or HttpAgents(identities)
     scheduler = build_scheduler(config, agents, clock, cloud=cloud)
     app = new_app(controlplane_api())
     app[SCHEDULER] = scheduler
+    app[IDENTITIES] = identities
 
     async def lifecycle(app: web.Application) -> AsyncIterator[None]:
         await agents.start()

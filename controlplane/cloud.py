@@ -10,16 +10,22 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 from pathlib import Path
 from typing import Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from controlplane.identities import Identities
 from dsec.models import Capacity, Name
-from dsec.processes import agent_args, dsec_argv, stop_process
+from dsec.processes import agent_args, child_env, dsec_argv, node_credentials, stop_process
+from dsec.tls import TlsFiles
 
 log = logging.getLogger(__name__)
+
+
+def cloud_node_host(index: int) -> str:
+    """Where the `index`th (from 1) local cloud node listens."""
+    return f"127.0.1.{index}"
 
 
 class CloudConfig(BaseModel):
@@ -51,11 +57,19 @@ class CloudProvider(Protocol):
 class LocalCloudProvider:
     """Cloud nodes as agent processes on 127.0.1.x, for `dsec up --cloud-nodes M`."""
 
-    def __init__(self, config: CloudConfig, agent_token: str) -> None:
+    def __init__(
+        self,
+        config: CloudConfig,
+        identities: Identities,
+        metrics_token: str | None = None,
+        tls: TlsFiles | None = None,
+    ) -> None:
         self.config = config
+        self.tls = tls  # the control plane's own: its certificate names these addresses too
         self.max_nodes = config.max_nodes
         self.idle_release_s = config.idle_release_s
-        self.agent_token = agent_token
+        self.identities = identities
+        self.metrics_token = metrics_token
         self.controlplane_url = ""  # known once the control plane listens
         self.procs: dict[str, asyncio.subprocess.Process] = {}
         self.starting: set[str] = set()
@@ -78,16 +92,20 @@ class LocalCloudProvider:
             args = agent_args(
                 node_id,
                 kind="cloud",
-                host=f"127.0.1.{index}",
+                host=cloud_node_host(index),
                 controlplane=self.controlplane_url,
                 capacity=self.config.capacity,
                 state_dir=self.config.state_dir,
                 heartbeat_s=self.config.heartbeat_s,
+                tls=self.tls,
             )
             self.procs[node_id] = await asyncio.create_subprocess_exec(
                 *dsec_argv(*args),
                 stdout=asyncio.subprocess.DEVNULL,
-                env={**os.environ, "DSEC_AGENT_TOKEN": self.agent_token},
+                # its own node token: not the control plane's tokens, nor the join token
+                env=child_env(
+                    node_credentials(self.identities.node_token(node_id), self.metrics_token)
+                ),
                 start_new_session=True,
             )
             log.info("cloud node %s started", node_id)

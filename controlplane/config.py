@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+from functools import cached_property
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from controlplane.cloud import CloudConfig
+from controlplane.identities import LOOPBACK_AGENT_URLS, AgentUrlRule
 from dsec.baselines import PolicyName
-from dsec.httpkit import ApiError
+from dsec.httpkit import ApiError, MetricsAccess
 from dsec.image import BASE_IMAGE
 from dsec.models import Name, PoolParams, TemplateSpec
+from dsec.tokens import client_id, new_token
 
 
 def unknown_name(field: str, name: str, known) -> ApiError:
@@ -28,6 +31,9 @@ def default_templates() -> dict[str, TemplateSpec]:
     return {"base": TemplateSpec(name="base", image=BASE_IMAGE, recyclable=True)}
 
 
+DEFAULT_MAX_PENDING = 4096  # a flood of acquires from one client stops here
+
+
 def not_recyclable(params: PoolParams, templates: dict[str, TemplateSpec]) -> list[str]:
     """The templates of a pool with `recycle` on that do not allow it (empty when it is
     off): such a pool is refused, by the config file and by PUT /v1/pools/{name}."""
@@ -36,14 +42,64 @@ def not_recyclable(params: PoolParams, templates: dict[str, TemplateSpec]) -> li
     return [t for t in params.templates if t in templates and not templates[t].recyclable]
 
 
-class ControlPlaneConfig(BaseModel):
+class ClientQuota(BaseModel):
+    """What one client token may do; None: no limit of that kind."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_leases: int | None = Field(None, ge=0, description="leases held at once")
+    max_pending: int | None = Field(
+        DEFAULT_MAX_PENDING, ge=0, description="acquires waiting at once"
+    )
+    pools: list[Name] | None = Field(None, description="the pools it may use (None: all)")
+    max_priority: int | None = Field(
+        None, ge=-1000, le=1000, description="the highest request priority it may ask for"
+    )
+
+
+class ClientSpec(BaseModel):
+    """A client token with a quota of its own (it is a client token too)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    token: str = Field(min_length=16, repr=False)
+    quota: ClientQuota = Field(default_factory=ClientQuota)
+
+
+class ControlPlaneConfig(MetricsAccess):
     model_config = ConfigDict(extra="forbid")
 
     host: str = "127.0.0.1"
     port: int = Field(8700, ge=0, le=65535)
     client_tokens: list[str] = Field(default_factory=list, repr=False)
+    clients: list[ClientSpec] = Field(
+        default_factory=list, description="client tokens with quotas of their own"
+    )
+    default_quota: ClientQuota = Field(
+        default_factory=ClientQuota, description="the quota of every other client token"
+    )
     admin_tokens: list[str] = Field(min_length=1, repr=False)
-    agent_token: str = Field(min_length=16, repr=False)
+    agent_token: str = Field(
+        min_length=16,
+        repr=False,
+        description="the join token (DSEC_AGENT_TOKEN): a node that presents it may join as "
+        "any node id; nodes dsec starts join with their own node token instead",
+    )
+    identity_key: str = Field(
+        default_factory=new_token,
+        min_length=16,
+        repr=False,
+        description="the key every node's credentials and every lease token derive from "
+        "(controlplane/identities.py); `dsec controlplane` keeps it in "
+        "<state_dir>/controlplane.key. Unset and without a state_dir: new at every start, "
+        "and the nodes join again",
+    )
+    agent_urls: list[AgentUrlRule] = Field(
+        default_factory=lambda: list(LOOPBACK_AGENT_URLS),
+        max_length=1000,
+        description="the addresses agents may report: http(s)://network or host name, any "
+        "port (http://10.1.0.0/16, https://node-1.example.org); loopback unless set",
+    )
     pools: dict[Name, PoolParams] = Field(default_factory=lambda: {"default": PoolParams()})
     templates: dict[Name, TemplateSpec] = Field(default_factory=default_templates)
     tick_s: float = Field(0.25, gt=0, le=60, description="the policy also runs on every event")
@@ -87,4 +143,15 @@ class ControlPlaneConfig(BaseModel):
                     f"pool {pool!r} recycles templates that do not allow it "
                     f"(recyclable: false): {refused}"
                 )
+        # a token with a quota of its own is a client token like any other
+        listed = set(self.client_tokens)
+        self.client_tokens += [c.token for c in self.clients if c.token not in listed]
         return self
+
+    @cached_property
+    def _quotas(self) -> dict[str, ClientQuota]:
+        return {client_id(c.token): c.quota for c in self.clients}
+
+    def quota_of(self, owner: str) -> ClientQuota:
+        """The quota of the client `owner` (dsec.tokens.client_id of its token)."""
+        return self._quotas.get(owner, self.default_quota)

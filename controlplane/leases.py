@@ -11,25 +11,35 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import secrets
 from collections.abc import Callable
 
 from controlplane.actuator import Actuator
 from controlplane.agents import CallResult
-from controlplane.config import ControlPlaneConfig, unknown_name
+from controlplane.config import ClientQuota, ControlPlaneConfig, unknown_name
+from controlplane.identities import Identities
 from controlplane.metrics import ControlPlaneMetrics
 from controlplane.queue import PendingRequest, RequestQueues, scoped_key
-from controlplane.spent import SpentKeys
+from controlplane.spent import KeyLog
 from controlplane.view import ClusterView, SandboxEntry
 from dsec.clock import Clock
-from dsec.httpkit import ApiError, token_matches
-from dsec.models import AcquireRequest, Lease, LeaseGrant, SandboxInfo
-from dsec.policy import Claim, Unplaceable
+from dsec.httpkit import ApiError
+from dsec.models import AcquireRequest, Lease, LeaseGrant, LeaseRenewed, SandboxInfo
+from dsec.policy import Claim, ExpireLease, Unplaceable
 from dsec.recent import TOMBSTONES, RecentMap
 from dsec.states import ASSIGNED, SandboxState
-from dsec.tokens import LEASE_TOKEN_HEADER, lease_token, new_lease_id
+from dsec.tokens import (
+    LEASE_TOKEN_HEADER,
+    NO_EXPIRY,
+    lease_token,
+    lease_token_expiry,
+    new_lease_id,
+)
 
 log = logging.getLogger(__name__)
+HELD_KEYS = 1_000_000  # at most one per live lease: far above what a cluster holds
+REPORT_POLL_S = 0.1  # how often a retry waiting for its sandbox's node looks again
 
 
 class Leases:
@@ -53,13 +63,18 @@ class Leases:
         # scoped idempotency key -> the waiting request, or the id of the sandbox it got
         self.by_key: dict[str, PendingRequest | str] = {}
         # keys whose sandbox was released: reusing one is refused, not a fresh sandbox
-        self.spent_keys = SpentKeys(
-            config.state_dir / "spent-keys.jsonl" if config.state_dir else None, TOMBSTONES
-        )
+        state = config.state_dir
+        self.spent_keys = KeyLog(state / "spent-keys.jsonl" if state else None, TOMBSTONES)
+        # keys that hold a live lease: a retry after a restart waits for that sandbox
+        self.held_keys = KeyLog(state / "held-keys.jsonl" if state else None, HELD_KEYS)
         self.started_at = clock.now()
-        # sandbox -> the lease it was last recycled from: a late release with that lease's
-        # token learns it was released, not that it is forbidden
-        self.recycled: RecentMap[str, str] = RecentMap(TOMBSTONES)
+        # sandbox -> the lease it was last recycled from, and that lease's client: a late
+        # release with that lease's token learns it was released, not that it is forbidden
+        self.recycled: RecentMap[str, tuple[str, str | None]] = RecentMap(TOMBSTONES)
+        # lease tokens are made with the lease key of the sandbox's node
+        self.identities = Identities.of(config)
+        # sandboxes whose lease expired -> why: their clients hear 410 lease_expired
+        self.expired: RecentMap[str, str] = RecentMap(TOMBSTONES)
 
     # --- what the policy decided ------------------------------------------------------
 
@@ -73,6 +88,8 @@ class Leases:
         self.view.set_pool(entry, req.pool)  # a higher-priority pool may have taken it over
         entry.frozen_at = None
         entry.idle_since = now
+        entry.leased_at, entry.renewed_at = now, None
+        entry.lease_expires_at = self._token_deadline(req.pool)
         entry.lease_id = new_lease_id()
         entry.idempotency_key = req.idempotency_key
         entry.owner = req.owner
@@ -91,6 +108,8 @@ class Leases:
         )
 
         async def run() -> None:
+            if req.scoped_key:  # on disk first: a restart mid-call still knows the key's
+                await self.held_keys.add(req.scoped_key, entry.id)
             result = await self.actuator.call(entry, self.actuator.agents.lease, entry.id, grant)
             self._on_leased(entry, req, action.path, result)
 
@@ -100,6 +119,9 @@ class Leases:
         self, entry: SandboxEntry, req: PendingRequest, path: str, result: CallResult
     ) -> None:
         now = self.clock.now()
+        if req.scoped_key and (not result.ok or req.done.done()):
+            # the key holds nothing after all (the sandbox goes below)
+            self.actuator.track(asyncio.ensure_future(self.held_keys.drop(req.scoped_key)))
         if not result.ok:
             entry.op_in_flight = False
             self.actuator.failed(entry, "lease", result)
@@ -120,6 +142,53 @@ class Leases:
         self.metrics.acquires.labels(entry.pool, "served").inc()
         req.done.set_result(self.lease_of(entry, path, schedule_s * 1000))
 
+    def expire(self, action: ExpireLease, now: float) -> None:
+        """End a lease its client let lapse: its key is spent (a retry gets 409, not a
+        second sandbox), the sandbox goes, and its client hears 410 lease_expired, from
+        here and from the agent."""
+        entry = self.view.sandboxes.get(action.sandbox_id)
+        if entry is None or entry.state not in ASSIGNED or entry.lease_id is None:
+            return  # released or gone meanwhile
+        log.info("lease on %s expired: %s", entry.id, action.reason)
+        self.expired.add(entry.id, action.reason)
+        self.metrics.leases_expired.labels(entry.pool).inc()
+        key = scoped_key(entry.owner, entry.idempotency_key)
+        entry.ended = "lease_expired"
+
+        async def run() -> None:
+            if key:
+                self.by_key.pop(key, None)
+                await self.spent_keys.add(key, entry.id)
+                await self.held_keys.drop(key)
+            if task := self.actuator.destroy(entry, self.clock.now(), "expire"):
+                await task
+
+        self.actuator.track(asyncio.ensure_future(run()))
+
+    def renew(self, entry: SandboxEntry) -> LeaseRenewed:
+        """The lease's client is alive: its idle timeout starts again (max_lease_s does
+        not move)."""
+        if entry.state not in ASSIGNED or entry.lease_id is None:
+            raise ApiError(409, "not_leased", f"sandbox {entry.id} is not leased")
+        now = self.clock.now()
+        entry.renewed_at = now
+        params = self.config.pools.get(entry.pool)
+        ends_in = [
+            (entry.leased_at or now) + params.max_lease_s - now
+            if params and params.max_lease_s is not None
+            else None,
+            params.lease_idle_timeout_s if params else None,
+        ]
+        return LeaseRenewed(
+            id=entry.id,
+            idle_timeout_s=params.lease_idle_timeout_s if params else None,
+            expires_in_s=min((t for t in ends_in if t is not None), default=None),
+        )
+
+    def check_not_expired(self, sandbox_id: str) -> None:
+        if (why := self.expired.get(sandbox_id)) is not None:
+            raise ApiError(410, "lease_expired", f"the lease on {sandbox_id} expired: {why}")
+
     def unplaceable(self, action: Unplaceable) -> None:
         req = self.queues.get(action.request_id)
         if req is None or req.done.done():
@@ -139,10 +208,41 @@ class Leases:
         return Lease(
             **self.info_of(entry).model_dump(exclude={"lease_id"}),
             lease_id=entry.lease_id,
-            lease_token=lease_token(self.config.agent_token, entry.id, entry.lease_id),
+            lease_token=self.token_of(entry),
             path=path,
             schedule_ms=schedule_ms,
+            lease_idle_timeout_s=self.config.pools[entry.pool].lease_idle_timeout_s
+            if entry.pool in self.config.pools
+            else None,
         )
+
+    def token_of(self, entry: SandboxEntry) -> str:
+        """The lease token of `entry`'s lease (dsec/tokens.py): the same every time asked."""
+        assert entry.lease_id is not None
+        if entry.lease_expires_at is None:  # a lease learnt from a heartbeat: from now on
+            entry.lease_expires_at = self._token_deadline(entry.pool)
+        return lease_token(
+            self.identities.lease_key(entry.node),
+            entry.id,
+            entry.lease_id,
+            entry.owner,
+            entry.lease_expires_at,
+        )
+
+    def _token_deadline(self, pool: str) -> int:
+        """The Unix second a new lease's token stops working: its pool's max_lease_s from
+        now, or never. Kept on the lease, so that its token does not change; its agent
+        refuses the token past it, even if this control plane cannot reach it then."""
+        params = self.config.pools.get(pool)
+        if params is None or params.max_lease_s is None:
+            return NO_EXPIRY
+        return math.ceil(self.clock.wall() + params.max_lease_s)
+
+    def _holds(self, entry: SandboxEntry, proof: str, lease_id: str, owner: str | None) -> bool:
+        """Whether `proof` is a token of that lease on `entry` (past its expiry or not:
+        releasing what has ended harms no one)."""
+        key = self.identities.lease_key(entry.node)
+        return lease_token_expiry(key, proof, entry.id, lease_id, owner) is not None
 
     def info_of(self, entry: SandboxEntry) -> SandboxInfo:
         node = self.view.nodes.get(entry.node)
@@ -167,13 +267,20 @@ class Leases:
         ):
             if name not in known:
                 raise unknown_name(field, name, known)
+        quota = self.config.quota_of(owner) if owner is not None else None
+        if quota is not None:
+            self._check_allowed(quota, body)
         key = scoped_key(owner, body.idempotency_key)
         if key is not None and key not in self.by_key:
             await self._resync(body.timeout_s)
+            if key in self.held_keys:
+                await self._await_reported(key, body.timeout_s)
         if key is not None and key in self.spent_keys:
             raise _key_spent(body.idempotency_key, self.spent_keys.sandbox_of(key))
         if key is not None and key in self.by_key:
             return await self._acquire_again(key, body)
+        if quota is not None:
+            self._check_room(quota, owner)
         req = PendingRequest(
             id=secrets.token_hex(8),
             pool=body.pool,
@@ -190,6 +297,48 @@ class Leases:
         self.wake()
         return await self._await_lease(req, body.timeout_s)
 
+    def _check_allowed(self, quota: ClientQuota, body: AcquireRequest) -> None:
+        """What the client may ask for at all: 403 naming the limit."""
+        if quota.pools is not None and body.pool not in quota.pools:
+            raise ApiError(
+                403,
+                "pool_not_allowed",
+                f"this client may use pools {quota.pools}, not {body.pool!r}",
+            )
+        if quota.max_priority is not None and body.priority > quota.max_priority:
+            raise ApiError(
+                403,
+                "priority_not_allowed",
+                f"this client may ask for priority {quota.max_priority} at most, "
+                f"not {body.priority}",
+            )
+
+    def _check_room(self, quota: ClientQuota, owner: str) -> None:
+        """What the client holds and waits for already: 429 naming the limit. A retry of
+        an acquire it made (same key) is not a new one and is never refused here."""
+        if quota.max_pending is not None:
+            pending = sum(1 for r in self.queues.by_id.values() if r.owner == owner)
+            if pending >= quota.max_pending:
+                raise ApiError(
+                    429,
+                    "pending_quota",
+                    f"this client has {pending} acquires waiting (max_pending {quota.max_pending})",
+                )
+        if quota.max_leases is not None:
+            held = sum(
+                1
+                for state in ASSIGNED
+                for e in self.view.by_state[state].values()
+                if e.owner == owner and e.lease_id is not None
+            )
+            if held >= quota.max_leases:
+                raise ApiError(
+                    429,
+                    "lease_quota",
+                    f"this client holds {held} leases (max_leases {quota.max_leases}); "
+                    "release one first",
+                )
+
     async def _resync(self, timeout_s: float) -> None:
         """Hold a keyed acquire until the agents have reported since this control plane
         started (resync_s, a few heartbeats): after a restart, a retry must find the
@@ -204,6 +353,21 @@ class Leases:
             )
         await self.clock.sleep(left)
 
+    async def _await_reported(self, key: str, timeout_s: float) -> None:
+        """A key that held a lease before a restart, whose node has not reported it yet:
+        wait for the node (up to the caller's timeout), never make a second sandbox."""
+        sandbox_id = self.held_keys.sandbox_of(key)
+        deadline = self.clock.now() + timeout_s
+        while key not in self.by_key and key in self.held_keys:
+            if self.clock.now() >= deadline:
+                raise ApiError(
+                    503,
+                    "lease_unreported",
+                    f"this key holds sandbox {sandbox_id}, whose node has not reported since "
+                    "the control plane restarted; retry later (or use another key)",
+                )
+            await self.clock.sleep(REPORT_POLL_S)
+
     async def _acquire_again(self, key: str, body: AcquireRequest) -> Lease:
         known = self.by_key[key]
         if isinstance(known, PendingRequest):
@@ -214,12 +378,17 @@ class Leases:
         return self.lease_of(entry, "warm", 0.0)
 
     async def _await_lease(self, req: PendingRequest, timeout_s: float) -> Lease:
+        """Wait for `req`'s lease up to this caller's own timeout. A retry with the same
+        key waits on the same request: the request is given up only when its last
+        waiter times out or leaves."""
+        req.waiters += 1
         try:
             return await asyncio.wait_for(asyncio.shield(req.done), timeout_s)
         except TimeoutError:
             if req.done.done() and not req.done.cancelled():
                 return req.done.result()
-            self._abandon(req, "timed_out")
+            if req.waiters == 1:
+                self._abandon(req, "timed_out")
             why = f" ({req.unplaced})" if req.unplaced else ""
             raise ApiError(
                 503,
@@ -227,6 +396,8 @@ class Leases:
                 f"no sandbox was ready within {timeout_s} s{why}; retry later",
             ) from None
         except asyncio.CancelledError:
+            if req.waiters > 1:
+                raise  # another waiter still wants it
             if not req.done.done() or req.done.cancelled():
                 self._abandon(req, "cancelled")
             elif req.done.exception() is None:
@@ -235,6 +406,8 @@ class Leases:
                 if entry is not None:
                     self.actuator.destroy(entry, self.clock.now(), "destroy")
             raise
+        finally:
+            req.waiters -= 1
 
     def _abandon(self, req: PendingRequest, outcome: str) -> None:
         self.metrics.acquires.labels(req.pool, outcome).inc()
@@ -257,6 +430,7 @@ class Leases:
 
     async def release(self, sandbox_id: str, proof: str | None) -> SandboxEntry:
         """`proof` is the caller's lease token; None for an operator, who may release any."""
+        self.check_not_expired(sandbox_id)
         entry = self.view.sandboxes.get(sandbox_id)
         if entry is None:
             if sandbox_id in self.view.released:
@@ -265,14 +439,9 @@ class Leases:
         if entry.state == SandboxState.DESTROYING:
             raise ApiError(409, "already_released", f"sandbox {sandbox_id} is being released")
         if proof is not None and not (
-            entry.lease_id
-            and token_matches(
-                proof, [lease_token(self.config.agent_token, entry.id, entry.lease_id)]
-            )
+            entry.lease_id and self._holds(entry, proof, entry.lease_id, entry.owner)
         ):
-            if (old := self.recycled.get(sandbox_id)) and token_matches(
-                proof, [lease_token(self.config.agent_token, entry.id, old)]
-            ):
+            if (old := self.recycled.get(sandbox_id)) and self._holds(entry, proof, *old):
                 raise ApiError(409, "already_released", f"sandbox {sandbox_id} was released")
             raise ApiError(
                 403,
@@ -291,12 +460,13 @@ class Leases:
         lease_id, recycle = entry.lease_id, self.recycles(entry)
         if recycle:
             # the lease ends now, before anything is awaited: its token is void at once
-            self.recycled.add(entry.id, lease_id)
+            self.recycled.add(entry.id, (lease_id, entry.owner))
             entry.lease_id = entry.owner = entry.idempotency_key = None
             entry.labels = {}
         if key:
             self.by_key.pop(key, None)
             await self.spent_keys.add(key, entry.id)
+            await self.held_keys.drop(key)
         # a pause or thaw under way finishes first (one a tick started while the last was
         # awaited too: the removal or reset below must not find a call in flight)
         while (in_flight := self.actuator.in_flight(sandbox_id)) is not None:
@@ -324,6 +494,8 @@ class Leases:
             key = scoped_key(entry.owner, entry.idempotency_key)
             if key and entry.state in ASSIGNED:
                 self.by_key.setdefault(key, entry.id)
+            if entry.state in ASSIGNED and entry.leased_at is None:
+                entry.leased_at = self.clock.now()  # its start is not known: from now on
 
 
 def _key_spent(key: str | None, sandbox_id: str) -> ApiError:

@@ -83,6 +83,11 @@ class ViewCollector(Collector):
             "1 while a node takes new work: heartbeats in time, engine up, calls not failing",
             labels=["node", "kind"],
         )
+        engine_ok = GaugeMetricFamily(
+            "dsec_node_engine_ok",
+            "1 while a node's Docker engine answers its agent, as its last heartbeat said",
+            labels=["node", "kind"],
+        )
         now = self.now()
         used = self.view.used_by_node()
         for node in self.view.nodes.values():
@@ -91,10 +96,12 @@ class ViewCollector(Collector):
             age.add_metric([node.id], max(0.0, now - node.last_seen))
             healthy.add_metric([node.id, node.kind], 1.0 if node.healthy else 0.0)
             placeable.add_metric([node.id, node.kind], 1.0 if node.placeable(now) else 0.0)
+            engine_ok.add_metric([node.id, node.kind], 1.0 if node.engine_ok else 0.0)
         yield utilisation
         yield age
         yield healthy
         yield placeable
+        yield engine_ok
 
 
 class ControlPlaneMetrics:
@@ -150,6 +157,12 @@ class ControlPlaneMetrics:
             "dsec_acquires_unplaced_total",
             "Waiting acquires that no node could take, by why (once per request and reason)",
             ["pool", "code"],
+            registry=r,
+        )
+        self.leases_expired = Counter(
+            "dsec_leases_expired_total",
+            "Leases ended by their pool's max_lease_s or lease_idle_timeout_s",
+            ["pool"],
             registry=r,
         )
         self.nodes_taken_out = Counter(

@@ -30,6 +30,7 @@ class PendingRequest:
     unplaced: str | None = None  # why no node could take it, while none can
     reservation: str | None = None  # the sandbox being created for it
     claimed: bool = False  # a sandbox is being leased to it
+    waiters: int = 0  # acquires waiting on it (a retry with its key is one more)
 
     @property
     def scoped_key(self) -> str | None:

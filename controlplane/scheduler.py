@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import logging
 import math
+from collections.abc import Callable
 
 from controlplane.actuator import Actuator
 from controlplane.agents import AgentClient
@@ -25,11 +26,11 @@ from controlplane.leases import Leases
 from controlplane.metrics import ControlPlaneMetrics, SandboxSeconds, ViewCollector
 from controlplane.prewarm import Prewarms
 from controlplane.queue import RequestQueues
-from controlplane.view import ClusterView
+from controlplane.view import ClusterView, SandboxEntry
 from dsec.baselines import Policy, make_policy
 from dsec.clock import Clock
 from dsec.httpkit import ApiError
-from dsec.models import NodeReport, PoolParams, PrewarmInfo, PrewarmRequest
+from dsec.models import NodeReport, PoolParams, PrewarmInfo, PrewarmRequest, ReportAck
 from dsec.peaks import PeakTracker
 from dsec.policy import (
     PREWARM_REASON,
@@ -37,6 +38,7 @@ from dsec.policy import (
     Claim,
     CloudSnap,
     Create,
+    ExpireLease,
     RequestSnap,
     Snapshot,
     TemplateSnap,
@@ -145,18 +147,17 @@ class Scheduler:
                 booting=self.cloud.booting(set(self.view.nodes)),
                 idle_release_s=self.cloud.idle_release_s,
             )
-        # leases matter only to lease-idle freezing: a look every few seconds, at those
-        # idle for long enough in the most eager pool
-        leases_idle_since = None
-        eagerest = min(p.lease_idle_freeze_s for p in self.config.pools.values())
-        # a look every tenth of the timer (0.5 to 10 s): a scan of every lease at most
-        # that often, for a freeze at most that late
-        if now >= self.leases_looked_at + max(0.5, min(10.0, eagerest / 10)):
+        # leases matter to lease-idle freezing and to expiry: a look every tenth of the
+        # shortest timer (0.5 to 10 s), a scan of every lease at most that often, for an
+        # action at most that late; each lease in the snapshot only once it may be due
+        lease_due = None
+        timers = [t for p in self.config.pools.values() for t in _lease_timers(p)]
+        if now >= self.leases_looked_at + max(0.5, min(10.0, min(timers) / 10)):
             self.leases_looked_at = now
-            leases_idle_since = now - eagerest
+            lease_due = self._lease_due(now)
         return Snapshot(
             nodes=self.view.node_snaps(now),
-            sandboxes=self.view.sandbox_snaps(now, leases_idle_since),
+            sandboxes=self.view.sandbox_snaps(now, lease_due),
             requests=requests,
             templates=templates,
             peaks=self.peaks.peaks(now),
@@ -165,6 +166,30 @@ class Scheduler:
             prewarms=self.prewarms.snaps(now),
             seed=self.ticks,
         )
+
+    def _lease_due(self, now: float) -> Callable[[SandboxEntry], bool]:
+        """Whether a lease may be due for a freeze or an expiry in its pool."""
+        pools = self.config.pools
+
+        def due(entry: SandboxEntry) -> bool:
+            params = pools.get(entry.pool)
+            if params is None:
+                return False
+            if (
+                params.max_lease_s is not None
+                and entry.leased_at is not None
+                and now - entry.leased_at >= params.max_lease_s
+            ):
+                return True
+            if entry.idle_since is None:  # a command runs: neither idle nor lapsed
+                return False
+            if now - entry.idle_since >= params.lease_idle_freeze_s:
+                return True
+            active_at = max(entry.idle_since, entry.renewed_at or entry.idle_since)
+            timeout = params.lease_idle_timeout_s
+            return timeout is not None and now - active_at >= timeout
+
+        return due
 
     def apply(self, actions: list[Action], now: float) -> None:
         for action in actions:
@@ -175,6 +200,8 @@ class Scheduler:
                     self.leases.claim(action, now)
                 case Unplaceable():
                     self.leases.unplaceable(action)
+                case ExpireLease():
+                    self.leases.expire(action, now)
                 case _:
                     if isinstance(action, Create) and action.reason == PREWARM_REASON:
                         self.metrics.scale_events.labels(action.pool, "prewarm").inc()
@@ -182,7 +209,8 @@ class Scheduler:
 
     # --- what agents and operators say ------------------------------------------------
 
-    def on_report(self, report: NodeReport) -> None:
+    def on_report(self, report: NodeReport) -> ReportAck:
+        """Apply a heartbeat; the answer tells its agent what to send next."""
         now = self.clock.now()
         self.sandbox_seconds.account(now)
         changes = self.view.apply_report(report, now)
@@ -190,6 +218,7 @@ class Scheduler:
             self.metrics.busy_seconds.labels(pool).inc(seconds)
         self.leases.learn(changes.added)
         self.wake()
+        return changes.ack
 
     def set_pool(self, name: str, params: PoolParams) -> None:
         unknown = [t for t in params.templates if t not in self.config.templates]
@@ -252,3 +281,9 @@ def build_scheduler(
         )
     )
     return scheduler
+
+
+def _lease_timers(params: PoolParams) -> list[float]:
+    """A pool's timers on leases: idle freezing, and its expiries if set."""
+    timers = [params.lease_idle_freeze_s, params.max_lease_s, params.lease_idle_timeout_s]
+    return [t for t in timers if t is not None]

@@ -1,9 +1,10 @@
-"""Idempotency keys whose sandbox was released: an acquire that reuses one is refused.
+"""Idempotency keys and their sandboxes, kept in a file of the state dir and read back
+at start, so that a restarted control plane answers a retry as the old one would.
 
-Agents report the keys of live leases, so a restarted control plane relearns those from
-the heartbeats; a released key is known to the control plane alone. With a state dir it
-is appended to a file before the release is answered, and read back at start, so a
-retry after a restart is still refused instead of getting a fresh sandbox.
+Two logs: the keys whose sandbox was released (spent: reusing one is refused), and the
+keys that hold a live lease (held: written before the agent is asked to lease, so a retry
+after a restart waits for that sandbox however late its node reports, and never gets a
+second one). A line is [key, sandbox id], or [key, null] when a held key lets go.
 """
 
 from __future__ import annotations
@@ -11,19 +12,26 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 from pathlib import Path
 
 from dsec.recent import RecentMap
+from dsec.statedir import open_private, private_dir, restrict, write_private
 
 log = logging.getLogger(__name__)
+MIN_KEYS_TO_COMPACT = 1000  # with fewer keys, a file of twice this many lines is fine
 
 
-class SpentKeys:
+class KeyLog:
     def __init__(self, path: Path | None, limit: int) -> None:
         self.path = path
         self.limit = limit  # the most recent this many are kept
         self.keys: RecentMap[str, str] = RecentMap(limit)  # key -> its sandbox
-        self.lines = 0  # in the file: once past twice the limit, it is rewritten
+        self.lines = 0  # in the file: once past twice the keys that count, it is rewritten
+        if path is not None:
+            # the state dir is the operators' alone, also one an older version left open
+            private_dir(path.parent)
+            restrict(path)
         if path is not None and path.exists():
             for number, line in enumerate(path.read_text().splitlines(), start=1):
                 try:
@@ -31,7 +39,10 @@ class SpentKeys:
                 except ValueError:  # a line cut short by a crash mid-write
                     log.warning("%s:%d is not a spent key; skipped", path, number)
                     continue
-                self._remember(key, sandbox_id)
+                if sandbox_id is None:
+                    self.keys.pop(key)
+                else:
+                    self._remember(key, sandbox_id)
                 self.lines += 1
 
     def __contains__(self, key: str) -> bool:
@@ -42,25 +53,33 @@ class SpentKeys:
 
     async def add(self, key: str, sandbox_id: str) -> None:
         self._remember(key, sandbox_id)
+        await self._log([key, sandbox_id])
+
+    async def drop(self, key: str) -> None:
+        if self.keys.pop(key) is not None:
+            await self._log([key, None])
+
+    async def _log(self, item: list) -> None:
         if self.path is None:
             return
         self.lines += 1
-        if self.lines > 2 * self.limit:
+        # rewritten once the file is mostly lines that no longer count
+        if self.lines > 2 * max(len(self.keys), min(self.limit, MIN_KEYS_TO_COMPACT)):
             self.lines = len(self.keys)
             await asyncio.to_thread(self._rewrite, list(self.keys.items()))
         else:
-            await asyncio.to_thread(self._append, json.dumps([key, sandbox_id]) + "\n")
+            await asyncio.to_thread(self._append, json.dumps(item) + "\n")
 
     def _remember(self, key: str, sandbox_id: str) -> None:
         self.keys.add(key, sandbox_id)  # the most recent; past the limit, the oldest go
 
     def _append(self, line: str) -> None:
         assert self.path is not None
-        with self.path.open("a") as f:
+        with os.fdopen(open_private(self.path, os.O_WRONLY | os.O_APPEND), "a") as f:
             f.write(line)
 
     def _rewrite(self, items: list[tuple[str, str]]) -> None:
         assert self.path is not None
         fresh = self.path.with_suffix(".tmp")
-        fresh.write_text("".join(json.dumps(item) + "\n" for item in items))
+        write_private(fresh, "".join(json.dumps(item) + "\n" for item in items).encode())
         fresh.replace(self.path)  # atomic: a crash leaves the old file or the new one

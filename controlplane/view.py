@@ -3,17 +3,36 @@
 Agents are the source of truth: a heartbeat replaces what the view believes about a
 node, except for sandboxes with an operation in flight (their outcome will say) and
 those confirmed too recently for the report to have seen them. A control plane that
-restarts with an empty view learns every sandbox and lease back from the heartbeats.
+restarts with an empty view learns every sandbox and lease back from the heartbeats
+(all but labels, which heartbeats do not carry).
+
+Heartbeats are mostly deltas (agent/report.py says why). The view keeps each node's
+rows as last reported, so that a delta amounts to the full report it stands for: the
+sandboxes it names are settled against their rows, and so are those a report could
+not settle yet (a call in flight, or confirmed within the grace), at every report
+until it can. A full report, or the first report of a node back from silence, settles
+every sandbox of the node.
 """
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from dsec.models import NodeReport, SandboxReport
+from dsec.models import LeaseEnd, NodeReport, ReportAck, SandboxRow
 from dsec.policy import NodeSnap, Resources, SandboxSnap
 from dsec.recent import RecentMap
-from dsec.states import ASSIGNED, OCCUPYING, TERMINAL, SandboxState, transition
+from dsec.states import (
+    ASSIGNED,
+    OCCUPYING,
+    TERMINAL,
+    IllegalTransition,
+    SandboxState,
+    transition,
+)
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -33,10 +52,20 @@ class NodeEntry:
     empty_since: float | None = None  # since when it holds no sandbox at all
     draining: bool = False  # being released: no placements
     create_limit: int = 4  # creates it runs at once, as its agent measured
+    # its agent's reports: the last applied (in this incarnation), every sandbox's row as
+    # last reported, and the sandboxes whose row could not be settled yet
+    seq: int = 0
+    rows: dict[str, SandboxRow] = field(default_factory=dict)
+    unsettled: set[str] = field(default_factory=set)
+    clock_offset: float = 0.0  # our clock minus its agent's, at its last report
 
     def placeable(self, now: float) -> bool:
         """Takes work: new sandboxes, and claims of the ones it holds."""
         return self.healthy and self.engine_ok and not self.draining and now >= self.failing_until
+
+    def our_time(self, agent_time: float | None, now: float) -> float | None:
+        """An instant its agent reported, on our clock (never later than now)."""
+        return None if agent_time is None else min(now, agent_time + self.clock_offset)
 
 
 @dataclass
@@ -53,7 +82,8 @@ class SandboxEntry:
     lease_id: str | None = None
     idempotency_key: str | None = None
     owner: str | None = None  # the client holding the lease
-    labels: dict[str, str] = field(default_factory=dict)
+    # None: a lease learnt from a heartbeat (after a restart), whose labels only its agent has
+    labels: dict[str, str] | None = field(default_factory=dict)
     reserved_for: str | None = None
     op_in_flight: bool = False
     confirmed_at: float = 0.0
@@ -62,6 +92,10 @@ class SandboxEntry:
     failures: int = 0  # calls about it that failed in a row
     retry_at: float = 0.0  # no new call about it before then
     frozen_at: float | None = None  # when it was first frozen
+    leased_at: float | None = None  # when its lease began (when learnt, after a restart)
+    renewed_at: float | None = None  # when its client last renewed the lease
+    lease_expires_at: int | None = None  # Unix second its lease token ends (Leases.token_of)
+    ended: LeaseEnd = "released"  # why it goes, once it does: what its agent tells clients
 
     @property
     def needs(self) -> Resources:
@@ -70,8 +104,9 @@ class SandboxEntry:
 
 @dataclass
 class ReportChanges:
-    """What a heartbeat changed, for the metrics and the log."""
+    """What a heartbeat changed, for the metrics and the log, and the answer to its agent."""
 
+    ack: ReportAck
     busy_s: dict[str, float] = field(default_factory=dict)  # per pool, newly accounted
     added: list[SandboxEntry] = field(default_factory=list)  # learnt from the report
     vanished: list[SandboxEntry] = field(default_factory=list)
@@ -154,6 +189,11 @@ class ClusterView:
             del self.by_state[entry.state][entry.id]
             del self._by_node[entry.node][entry.id]
             self._count(entry, -1)
+            node = self.nodes.get(entry.node)
+            if node is not None and sandbox_id in node.rows:
+                # its agent still had it at its last report: the next one settles it, as
+                # a full report would (a delta need not name it again)
+                node.unsettled.add(sandbox_id)
         if tombstone:
             self.released.add(sandbox_id)
         return entry
@@ -206,8 +246,41 @@ class ClusterView:
         return list(self._by_node.get(node_id, {}).values())
 
     def apply_report(self, report: NodeReport, now: float) -> ReportChanges:
-        changes = ReportChanges()
+        """Apply a heartbeat: a full report, or a delta based on a report this view has
+        applied (or an earlier one). The changes carry the answer for its agent."""
         previous = self.nodes.get(report.node_id)
+        known = previous is not None and previous.incarnation == report.incarnation
+        applied = previous.seq if known else 0
+        if known and report.seq <= applied:
+            # a retried or late request: the agent has reported since
+            return ReportChanges(ReportAck(seq=applied))
+        if report.base is not None and (not known or report.base > applied):
+            # a delta on a report this view never had (it restarted): send everything
+            return ReportChanges(ReportAck(seq=applied, full_report=True))
+        node = self._node_from_report(report, previous, now)
+        reported = report.sandboxes.rows()
+        if report.base is None:
+            node.rows = {row.id: row for row in reported}
+        else:
+            # rows are absolute: applied on any report from `base` on, they give this one
+            node.rows.update((row.id, row) for row in reported)
+            for sandbox_id in report.removed:
+                node.rows.pop(sandbox_id, None)
+        if report.base is None or not previous.healthy:
+            held = self._by_node.get(node.id, {})
+            settle = [*node.rows, *(i for i in held if i not in node.rows)]
+        else:
+            settle = [*(row.id for row in reported), *report.removed, *node.unsettled]
+        node.unsettled = set()
+        changes = ReportChanges(ReportAck(seq=report.seq))
+        for sandbox_id in dict.fromkeys(settle):  # each once, in order
+            self._settle(node, sandbox_id, now, changes)
+        node.seq = report.seq
+        return changes
+
+    def _node_from_report(
+        self, report: NodeReport, previous: NodeEntry | None, now: float
+    ) -> NodeEntry:
         node = self.nodes[report.node_id] = NodeEntry(
             id=report.node_id,
             kind=report.kind,
@@ -220,6 +293,7 @@ class ClusterView:
             last_seen=now,
             engine_ok=report.engine_ok,
             create_limit=report.create_limit,
+            clock_offset=now - report.clock,
         )
         self._dirty_nodes.add(node.id)
         if previous is not None:
@@ -228,70 +302,90 @@ class ClusterView:
             node.failing_until = previous.failing_until
             node.empty_since = previous.empty_since
             node.draining = previous.draining
-        reported = {s.id: s for s in report.sandboxes}
-        for sb in reported.values():
-            entry = self.sandboxes.get(sb.id)
-            if entry is None:
-                entry = self._entry_from_report(report.node_id, sb, now)
-                if sb.id in self.released:
-                    # released while its node was away (lost), or reported by a heartbeat
-                    # older than its removal: it is to go, and the next tick removes it
-                    entry.state = SandboxState.DESTROYING
-                    self.add(entry)
-                    continue
-                self.add(entry)
-                changes.added.append(entry)
-                changes.busy_s[sb.pool] = changes.busy_s.get(sb.pool, 0.0) + sb.busy_s
-                continue
-            delta = max(0.0, sb.busy_s - entry.busy_s)
-            if delta:
-                changes.busy_s[entry.pool] = changes.busy_s.get(entry.pool, 0.0) + delta
-            entry.busy_s = sb.busy_s
-            entry.idle_since = now - sb.idle_s
-            if entry.op_in_flight or now - entry.confirmed_at < self.confirm_grace_s:
-                continue
-            if entry.state == SandboxState.DESTROYING:
-                continue  # its removal failed and is retried: it is not coming back
-            if entry.state != sb.state and sb.state != SandboxState.CREATING:
-                self.move(entry, sb.state, now)
-                entry.lease_id = sb.lease_id
-            entry.frozen_at = None if sb.frozen_s is None else now - sb.frozen_s
-            entry.confirmed_at = now
-        for entry in self.on_node(report.node_id):
-            if (
-                entry.id in reported
-                or entry.op_in_flight
-                or entry.state == SandboxState.CREATING
-                or now - entry.confirmed_at < self.confirm_grace_s
-            ):
-                continue
-            # the node no longer has it: an agent restart that could not adopt it
-            if entry.state in ASSIGNED or entry.state == SandboxState.LOST:
-                self.move(entry, SandboxState.LOST, now)
-            else:
-                self.forget(entry.id)
-            changes.vanished.append(entry)
-        return changes
+            if previous.incarnation == report.incarnation:
+                node.seq, node.rows = previous.seq, previous.rows
+                node.unsettled = previous.unsettled
+        return node
 
-    def _entry_from_report(self, node_id: str, sb: SandboxReport, now: float) -> SandboxEntry:
+    def _settle(self, node: NodeEntry, sandbox_id: str, now: float, changes: ReportChanges) -> None:
+        """Bring one sandbox of `node` in line with its row, or with its having none."""
+        row = node.rows.get(sandbox_id)
+        entry = self.sandboxes.get(sandbox_id)
+        if row is None:
+            if entry is not None:
+                self._vanish(node, entry, now, changes)
+            return
+        if entry is None:
+            entry = self._entry_from_row(node, row, now)
+            if sandbox_id in self.released:
+                # released while its node was away (lost), or reported by a heartbeat
+                # older than its removal: it is to go, and the next tick removes it
+                entry.state = SandboxState.DESTROYING
+                self.add(entry)
+                return
+            self.add(entry)
+            changes.added.append(entry)
+            changes.busy_s[row.pool] = changes.busy_s.get(row.pool, 0.0) + row.busy_s
+            return
+        delta = max(0.0, row.busy_s - entry.busy_s)
+        if delta:
+            changes.busy_s[entry.pool] = changes.busy_s.get(entry.pool, 0.0) + delta
+        entry.busy_s = row.busy_s
+        entry.idle_since = node.our_time(row.active_at, now)
+        if entry.op_in_flight or now - entry.confirmed_at < self.confirm_grace_s:
+            node.unsettled.add(sandbox_id)
+            return
+        if entry.state == SandboxState.DESTROYING:
+            return  # its removal failed and is retried: it is not coming back
+        if entry.state != row.state and row.state != SandboxState.CREATING:
+            try:
+                self.move(entry, row.state, now)
+            except IllegalTransition as e:
+                # no edge of the state machine leads there: a faulty (or hostile) node's
+                # word, not taken; the rest of its report still counts
+                log.warning("node %s reported %s: %s; ignored", node.id, sandbox_id, e)
+                return
+            entry.lease_id = row.lease_id
+        entry.frozen_at = node.our_time(row.frozen_at, now)
+        entry.confirmed_at = now
+
+    def _vanish(
+        self, node: NodeEntry, entry: SandboxEntry, now: float, changes: ReportChanges
+    ) -> None:
+        """A sandbox the node no longer has: an agent restart that could not adopt it."""
+        if (
+            entry.op_in_flight
+            or entry.state == SandboxState.CREATING
+            or now - entry.confirmed_at < self.confirm_grace_s
+        ):
+            node.unsettled.add(entry.id)
+            return
+        if entry.state in ASSIGNED or entry.state == SandboxState.LOST:
+            self.move(entry, SandboxState.LOST, now)
+        else:
+            self.forget(entry.id)
+        changes.vanished.append(entry)
+
+    def _entry_from_row(self, node: NodeEntry, row: SandboxRow, now: float) -> SandboxEntry:
+        active_at = node.our_time(row.active_at, now)
         return SandboxEntry(
-            id=sb.id,
-            node=node_id,
-            pool=sb.pool,
-            template=sb.template,
-            state=sb.state,
-            since=now - sb.idle_s if sb.state == SandboxState.WARM else now,
-            created_at=sb.created_at,
-            cpus=sb.cpus,
-            memory_mb=sb.memory_mb,
-            lease_id=sb.lease_id,
-            idempotency_key=sb.idempotency_key,
-            owner=sb.owner,
-            labels=dict(sb.labels),
+            id=row.id,
+            node=node.id,
+            pool=row.pool,
+            template=row.template,
+            state=row.state,
+            since=active_at if row.state == SandboxState.WARM and active_at is not None else now,
+            created_at=row.created_at,
+            cpus=row.cpus,
+            memory_mb=row.memory_mb,
+            lease_id=row.lease_id,
+            idempotency_key=row.idempotency_key,
+            owner=row.owner,
+            labels=None if row.lease_id else {},
             confirmed_at=now,
-            busy_s=sb.busy_s,
-            idle_since=now - sb.idle_s,
-            frozen_at=None if sb.frozen_s is None else now - sb.frozen_s,
+            busy_s=row.busy_s,
+            idle_since=active_at,
+            frozen_at=node.our_time(row.frozen_at, now),
         )
 
     def mark_silent_nodes(self, now: float, timeout_s: float) -> list[NodeEntry]:
@@ -348,12 +442,14 @@ class ClusterView:
         self._unplaceable.discard(node_id)
         self._dirty_nodes.add(node_id)
 
-    def sandbox_snaps(self, now: float, leases_idle_since: float | None) -> tuple[SandboxSnap, ...]:
+    def sandbox_snaps(
+        self, now: float, lease_due: Callable[[SandboxEntry], bool] | None
+    ) -> tuple[SandboxSnap, ...]:
         """The sandboxes the policy may act on: unassigned ones (to claim, freeze, age),
-        creates under way, and leases idle since `leases_idle_since` or longer (for
-        lease-idle freezing; None leaves leases out). One with a call in flight, or
-        backing off after a failed one (until its `retry_at`), is left out: nothing is
-        decided about it until it can be acted on."""
+        creates under way, and the leases (frozen or not) that `lease_due` picks (for
+        lease-idle freezing and expiry; None leaves leases out). One with a call in
+        flight, or backing off after a failed one (until its `retry_at`), is left out:
+        nothing is decided about it until it can be acted on."""
         snaps = [_snap(s) for s in self.by_state[SandboxState.CREATING].values()]
         for state in (SandboxState.WARM, SandboxState.PAUSED, SandboxState.HIBERNATED):
             snaps.extend(
@@ -361,15 +457,13 @@ class ClusterView:
                 for s in self.by_state[state].values()
                 if not s.op_in_flight and s.retry_at <= now
             )
-        if leases_idle_since is not None:
-            snaps.extend(
-                _snap(s)
-                for s in self.by_state[SandboxState.LEASED].values()
-                if not s.op_in_flight
-                and s.retry_at <= now
-                and s.idle_since is not None
-                and s.idle_since <= leases_idle_since
-            )
+        if lease_due is not None:
+            for state in (SandboxState.LEASED, SandboxState.LEASED_PAUSED):
+                snaps.extend(
+                    _snap(s)
+                    for s in self.by_state[state].values()
+                    if not s.op_in_flight and s.retry_at <= now and lease_due(s)
+                )
         if self._unplaceable:
             # a node that cannot take work cannot hand out, freeze or remove what it holds
             # either: its sandboxes wait for it to come back (creates under way still count)
@@ -392,4 +486,6 @@ def _snap(s: SandboxEntry) -> SandboxSnap:
         s.reserved_for,
         idle_since=s.idle_since,
         frozen_at=s.frozen_at,
+        leased_at=s.leased_at,
+        renewed_at=s.renewed_at,
     )

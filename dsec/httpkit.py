@@ -13,12 +13,13 @@ import hmac
 import json
 import logging
 import signal
-from collections.abc import Awaitable, Callable, Iterable
+import ssl
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from aiohttp import web
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, Field, ValidationError
 from pydantic.json_schema import models_json_schema
 
 from dsec.models import SANDBOX_ID_RE, ErrorResponse
@@ -26,6 +27,10 @@ from dsec.models import SANDBOX_ID_RE, ErrorResponse
 log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 1024 * 1024
+# a JSON body (at most MAX_BODY_BYTES) is read within this; a streamed one (a file) may
+# take as long as it needs, but no byte for this long ends it
+BODY_TIMEOUT_S = 30.0
+BODY_IDLE_TIMEOUT_S = 60.0
 M = TypeVar("M", bound=BaseModel)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -41,6 +46,12 @@ class ApiError(Exception):
         self.code = code
         self.message = message
         self.details = details
+
+
+class CredentialRefused(ApiError):
+    """A request without the credential its route needs (401), or with one that does not
+    hold it (403). Refusals are logged, and recorded where a service keeps an audit log,
+    with the caller's address and the route: never the token presented."""
 
 
 def error_response(status: int, code: str, message: str, details: list | None = None):
@@ -80,7 +91,11 @@ def validation_details(e: ValidationError) -> list[dict]:
 
 async def read_model(request: web.Request, model: type[M]) -> M:
     """Parse and validate a JSON body, or raise an ApiError saying what is wrong."""
-    raw = await request.read()
+    try:
+        async with asyncio.timeout(BODY_TIMEOUT_S):
+            raw = await request.read()
+    except TimeoutError as e:
+        raise ApiError(408, "body_timeout", f"request body not read in {BODY_TIMEOUT_S:g} s") from e
     if not raw:
         data: Any = {}
     else:
@@ -88,6 +103,8 @@ async def read_model(request: web.Request, model: type[M]) -> M:
             data = json.loads(raw)
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise ApiError(400, "malformed_json", f"request body is not valid JSON: {e}") from e
+        except RecursionError as e:  # no request of ours nests deeper than a few levels
+            raise ApiError(400, "malformed_json", "request body is nested too deeply") from e
     if not isinstance(data, dict):
         raise ApiError(400, "malformed_json", "request body must be a JSON object")
     try:
@@ -96,6 +113,23 @@ async def read_model(request: web.Request, model: type[M]) -> M:
         raise ApiError(
             422, "validation_error", "request body is invalid", validation_details(e)
         ) from e
+
+
+async def body_chunks(request: web.Request, size: int) -> AsyncIterator[bytes]:
+    """A streamed body, in chunks of up to `size` bytes as they arrive: it may take as
+    long as it needs, but a client that sends nothing for BODY_IDLE_TIMEOUT_S is
+    answered 408."""
+    while True:
+        try:
+            async with asyncio.timeout(BODY_IDLE_TIMEOUT_S):
+                chunk = await request.content.read(size)
+        except TimeoutError as e:
+            raise ApiError(
+                408, "body_timeout", f"no byte of the body in {BODY_IDLE_TIMEOUT_S:g} s"
+            ) from e
+        if not chunk:
+            return
+        yield chunk
 
 
 def model_response(obj: BaseModel, status: int = 200) -> web.Response:
@@ -128,9 +162,74 @@ def token_matches(presented: str | None, accepted: Iterable[str]) -> bool:
 def require_token(request: web.Request, accepted: Iterable[str]) -> None:
     presented = bearer_token(request)
     if presented is None:
-        raise ApiError(401, "unauthenticated", "missing Authorization: Bearer <token>")
+        raise CredentialRefused(401, "unauthenticated", "missing Authorization: Bearer <token>")
     if not token_matches(presented, accepted):
-        raise ApiError(403, "forbidden", "this token may not do that")
+        raise CredentialRefused(403, "forbidden", "this token may not do that")
+
+
+class MetricsAccess(BaseModel):
+    """Who may read a service's /metrics (and the control plane's service discovery,
+    which lists every agent's address): Prometheus, with a token of its own, so that it
+    needs none that can do anything else."""
+
+    metrics_token: str | None = Field(
+        None,
+        min_length=16,
+        repr=False,
+        description="the bearer token Prometheus sends (DSEC_METRICS_TOKEN)",
+    )
+    require_metrics_token: bool | None = Field(
+        None,
+        description="true: /metrics (and /v1/sd/prometheus) need the metrics token (the "
+        "control plane also takes an admin token); false: open to anyone who can connect; "
+        "unset: true when a metrics token is set",
+    )
+
+    def metrics_readers(self, *also: str) -> list[str] | None:
+        """The tokens /metrics accepts (the metrics token and `also`), or None: open.
+
+        Open unless a metrics token is set (or required), so a Prometheus configured
+        before there was one keeps scraping; `dsec up` sets one when asked."""
+        required = self.require_metrics_token
+        if required is None:
+            required = self.metrics_token is not None
+        if not required:
+            return None
+        return [t for t in (self.metrics_token, *also) if t]
+
+
+RefusalHook = Callable[[web.Request, CredentialRefused], Awaitable[None]]
+
+
+def refusals_recorded(record: RefusalHook | None) -> Callable:
+    """A middleware that logs every credential refusal with the caller's address and the
+    route, and hands it to `record` (the agent's audit log), then lets it answer."""
+
+    @web.middleware
+    async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except CredentialRefused as e:
+            log.warning(
+                "refused %s %s from %s: %s %s",
+                request.method,
+                route_of(request),
+                request.remote,
+                e.status,
+                e.code,
+            )
+            if record is not None:
+                await record(request, e)
+            raise
+
+    return middleware
+
+
+def route_of(request: web.Request) -> str:
+    """The route a request matched, as declared (`/v1/sandboxes/{sandbox_id}/exec`): a
+    bounded name, where the path itself is whatever the caller sent."""
+    resource = request.match_info.route.resource
+    return resource.canonical if resource is not None else request.path
 
 
 @dataclass
@@ -208,8 +307,12 @@ class Api:
         }
 
 
-def new_app(api: Api) -> web.Application:
-    app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[json_errors])
+def new_app(api: Api, on_refused: RefusalHook | None = None) -> web.Application:
+    """The app serving `api`; `on_refused` records each credential refusal (after it is
+    logged), before it answers."""
+    app = web.Application(
+        client_max_size=MAX_BODY_BYTES, middlewares=[json_errors, refusals_recorded(on_refused)]
+    )
     api.install(app)
     return app
 
@@ -219,25 +322,101 @@ def listening_line(url: str) -> str:
     return json.dumps({"event": "listening", "url": url})
 
 
+@dataclass(frozen=True)
+class ServerLimits:
+    """How long a server waits on a client, and how many it serves at once, so that
+    clients that connect and send nothing, or send slowly, hold only so much of it.
+
+    aiohttp has no limit on connections and, by default, keeps an idle one an hour:
+    `serve` closes an idle connection after `idle_timeout_s` (aiohttp's keep-alive
+    timer, which starts when a connection opens, so it also bounds how long a request's
+    line and headers may take to arrive), a TLS handshake after `handshake_timeout_s`,
+    and answers a connection past `max_connections` 503 and closes it. Bodies have
+    timeouts of their own (read_model, body_chunks)."""
+
+    idle_timeout_s: float = 30.0  # above aiohttp clients' 15 s: they close theirs first
+    handshake_timeout_s: float = 10.0
+    # counted once past the TLS handshake (the handshake timeout bounds the others)
+    max_connections: int = 4096
+
+
+# what a connection past the limit is answered, before it is closed unread
+_TOO_MANY_CONNECTIONS = json.dumps(
+    {"error": {"code": "too_many_connections", "message": "the server is at its connection limit"}}
+).encode()
+_TOO_MANY_CONNECTIONS_ANSWER = (
+    b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+    b"Content-Length: %d\r\nConnection: close\r\n\r\n%s"
+    % (len(_TOO_MANY_CONNECTIONS), _TOO_MANY_CONNECTIONS)
+)
+
+
+class _Refused(asyncio.Protocol):
+    """A connection past the limit: answered 503 and closed, whatever it sends."""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.WriteTransport)
+        transport.write(_TOO_MANY_CONNECTIONS_ANSWER)
+        transport.close()
+
+
+def _limited(server: web.Server, max_connections: int) -> Callable[[], asyncio.BaseProtocol]:
+    """`server`'s protocol factory, which refuses connections past `max_connections`."""
+    at_limit = False
+
+    def protocol() -> asyncio.BaseProtocol:
+        nonlocal at_limit
+        if len(server.connections) < max_connections:
+            at_limit = False
+            return server()
+        if not at_limit:  # once per episode: a flood must not flood the log as well
+            log.warning("at the limit of %d connections: refusing more", max_connections)
+            at_limit = True
+        return _Refused()
+
+    return protocol
+
+
 async def serve(
     app: web.Application,
     host: str,
     port: int,
     stop: asyncio.Event,
     on_listening: Callable[[str], None] | None = None,
+    *,
+    ssl_context: ssl.SSLContext | None = None,
+    limits: ServerLimits = ServerLimits(),
 ) -> None:
-    """Run `app` on host:port until `stop` is set, printing the listening line."""
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    """Run `app` on host:port until `stop` is set, printing the listening line: over TLS
+    (https) with `ssl_context`, within `limits`."""
+    runner = web.AppRunner(
+        app,
+        handler_cancellation=True,
+        access_log=None,
+        keepalive_timeout=limits.idle_timeout_s,
+    )
     await runner.setup()
-    site = web.TCPSite(runner, host, port, backlog=1024)
+    assert runner.server is not None
     try:
-        await site.start()
-        bound = runner.addresses[0][1]
-        url = f"http://{host}:{bound}"
-        if on_listening is not None:
-            on_listening(url)
-        print(listening_line(url), flush=True)
-        await stop.wait()
+        # a listener of our own rather than web.TCPSite, which takes neither a protocol
+        # factory (the connection limit) nor a handshake timeout
+        listener = await asyncio.get_running_loop().create_server(
+            _limited(runner.server, limits.max_connections),
+            host,
+            port,
+            ssl=ssl_context,
+            ssl_handshake_timeout=limits.handshake_timeout_s if ssl_context else None,
+            backlog=1024,
+        )
+        try:
+            bound = listener.sockets[0].getsockname()[1]
+            url = f"{'https' if ssl_context else 'http'}://{host}:{bound}"
+            if on_listening is not None:
+                on_listening(url)
+            print(listening_line(url), flush=True)
+            await stop.wait()
+        finally:
+            listener.close()  # no new connections; the runner ends those it has
     finally:
         await runner.cleanup()
 

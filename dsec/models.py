@@ -7,9 +7,19 @@ sees instead of a setting silently ignored.
 from __future__ import annotations
 
 import re
-from typing import Annotated, Literal
+from collections.abc import Collection
+from itertools import chain
+from typing import Annotated, Literal, NamedTuple
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    create_model,
+    model_validator,
+)
 
 from dsec.states import SandboxState
 
@@ -21,13 +31,24 @@ SANDBOX_ID_RE = re.compile(SANDBOX_ID_PATTERN)
 
 Name = Annotated[str, StringConstraints(pattern=NAME_PATTERN)]
 SandboxId = Annotated[str, StringConstraints(pattern=SANDBOX_ID_PATTERN)]
+
+
+def _printable(text: str) -> str:
+    if not text.isprintable():
+        raise ValueError("only printable characters (no control, format or line-break ones)")
+    return text
+
+
 LabelKey = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,62}$")]
-LabelValue = Annotated[str, StringConstraints(max_length=256)]
+# printable as Python's str.isprintable says: what a terminal or a log shows as written
+LabelValue = Annotated[str, StringConstraints(max_length=256), AfterValidator(_printable)]
+LeaseId = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{32}$")]
 IdempotencyKey = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9._:-]{1,128}$")]
 ClientId = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{16}$")]
 ImageRef = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9._/:@-]{0,254}$")]
 NodeKind = Literal["local", "cloud"]
 SchedulePath = Literal["warm", "thaw", "cold", "overflow"]
+OutputEncoding = Literal["utf-8", "base64"]
 
 MAX_TIMEOUT_S = 3600.0
 MAX_OUTPUT_BYTES = 16 * 1024 * 1024
@@ -79,7 +100,12 @@ class SandboxInfo(Wire):
     state: SandboxState
     created_at: float
     lease_id: str | None = None
-    labels: dict[str, str] = Field(default_factory=dict)
+    labels: dict[str, str] | None = Field(
+        default_factory=dict,
+        description="the lease's labels; null where this control plane does not know them: "
+        "it restarted since the lease was made (heartbeats carry no labels; the agent keeps "
+        "them)",
+    )
 
 
 class Lease(SandboxInfo):
@@ -89,6 +115,22 @@ class Lease(SandboxInfo):
     lease_token: str = Field(description="bearer token for exec on the owning agent")
     path: SchedulePath = Field(description="how it was scheduled: warm, thaw, cold, overflow")
     schedule_ms: float = Field(description="from the request's arrival to a usable sandbox")
+    lease_idle_timeout_s: float | None = Field(
+        None, description="renew the lease within this, or run a command (None: no timeout)"
+    )
+
+
+class LeaseRenewed(Wire):
+    id: SandboxId
+    idle_timeout_s: float | None = Field(
+        description="renew within this to keep the lease (None: its pool has no idle timeout)"
+    )
+    expires_in_s: float | None = Field(
+        description="when the lease ends if nothing more happens (None: not before release)"
+    )
+
+
+LeaseEnd = Literal["released", "lease_expired"]  # why a sandbox went, as its clients hear
 
 
 class Released(Wire):
@@ -116,15 +158,74 @@ class ExecRequest(Wire):
         Field(default_factory=dict, max_length=256)
     )
     workdir: Annotated[str, StringConstraints(pattern=r"^/[^\x00]{0,1023}$")] | None = None
+    encoding: OutputEncoding = Field(
+        "utf-8", description="base64 returns stdout and stderr byte for byte"
+    )
 
 
 class ExecResult(Wire):
     exit_code: int = Field(description="the command's exit code; 124 when it timed out")
     stdout: str
     stderr: str
+    encoding: OutputEncoding = Field(
+        "utf-8",
+        description="how stdout and stderr are written: utf-8 text (undecodable bytes "
+        "replaced) or base64 of the exact bytes, as the request asked",
+    )
     timed_out: bool = False
     truncated: bool = Field(False, description="output went past max_output_bytes")
     duration_ms: float
+
+
+MAX_STREAM_OUTPUT_BYTES = 1 << 40
+
+
+class ExecStreamRequest(ExecRequest):
+    """The first message of a streaming exec (WebSocket, see the README): the command,
+    and whether stdin stays open and a terminal is wanted."""
+
+    max_output_bytes: int = Field(
+        MAX_STREAM_OUTPUT_BYTES,
+        ge=0,
+        le=MAX_STREAM_OUTPUT_BYTES,
+        description="bytes per stream sent before the rest is dropped (and truncated set)",
+    )
+    stdin: bool = Field(False, description="keep the command's stdin open for input frames")
+    tty: bool = Field(False, description="run on a terminal (stdout and stderr merged)")
+    rows: int = Field(24, ge=1, le=1000)
+    cols: int = Field(80, ge=1, le=1000)
+
+
+class ExecExit(Wire):
+    """The last message of a streaming exec."""
+
+    type: Literal["exit"] = "exit"
+    exit_code: int
+    timed_out: bool = False
+    truncated: bool = False
+    duration_ms: float
+
+
+FileType = Literal["file", "dir", "link", "other"]
+
+
+class FileInfo(Wire):
+    path: str = Field(description="absolute path inside the sandbox")
+    name: str
+    type: FileType
+    size: int = Field(ge=0)
+    mode: int = Field(ge=0, description="permission bits, e.g. 0o644")
+    mtime: float
+
+
+class FileList(Wire):
+    path: str
+    entries: list[FileInfo]
+
+
+class FileRemoved(Wire):
+    path: str
+    removed: bool = True
 
 
 # --- templates, pools, nodes ----------------------------------------------
@@ -183,6 +284,19 @@ class PoolParams(Wire):
     refill_concurrency: int = Field(
         2, ge=1, le=10_000, description="warm-pool creates in flight at once, per template"
     )
+    max_lease_s: float | None = Field(
+        None,
+        gt=0,
+        le=30 * 86_400,
+        description="a lease ends this long after it began, renewed or not (None: never)",
+    )
+    lease_idle_timeout_s: float | None = Field(
+        3600.0,
+        gt=0,
+        le=30 * 86_400,
+        description="a lease ends when its client ran no command and renewed nothing for "
+        "this long (the SDK renews while a sandbox() block is open; None: never)",
+    )
     recycle: bool = Field(
         False,
         description="reset a released sandbox and put it back in the warm pool instead of "
@@ -197,6 +311,20 @@ class PoolParams(Wire):
         if self.max_warm < self.min_warm:
             raise ValueError(f"max_warm ({self.max_warm}) is below min_warm ({self.min_warm})")
         return self
+
+
+# PATCH /v1/pools/{name}: every PoolParams field, optional, none of their own checks: the
+# fields sent are merged into the pool's current parameters and the whole is validated
+# as PoolParams, so a pair that only clashes with a value not sent is caught as well.
+PoolPatch = create_model(
+    "PoolPatch",
+    __base__=Wire,
+    __doc__="Some of a pool's parameters: the fields sent change, the others keep theirs.",
+    **{
+        name: (field.annotation | None, Field(None, description=field.description))
+        for name, field in PoolParams.model_fields.items()
+    },
+)
 
 
 class PoolInfo(Wire):
@@ -241,10 +369,17 @@ class PrewarmInfo(Wire):
     replaced: bool = Field(description="it replaced an earlier prewarm of the pool")
 
 
+# The most sandboxes a node holds, of every state (hibernated ones hold no slot but are
+# reported): a report of this many always fits the heartbeat's body limit below.
+MAX_NODE_SANDBOXES = 20_000
+MAX_NODE_IMAGES = 10_000
+MAX_IMAGE_REF_CHARS = 512
+
+
 class Capacity(Wire):
     cpus: float = Field(gt=0, le=100_000)
     memory_mb: int = Field(gt=0, le=1 << 40)
-    slots: int = Field(gt=0, le=1_000_000)
+    slots: int = Field(gt=0, le=MAX_NODE_SANDBOXES)
 
 
 class Usage(Wire):
@@ -272,17 +407,88 @@ class SandboxReport(Wire):
     idle_s: float = Field(0.0, ge=0, description="seconds since the last command ended (or start)")
 
 
+FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
+Seconds = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+
+
+class SandboxRow(NamedTuple):
+    """One sandbox in a heartbeat: what the control plane schedules by, and no field a
+    client can make long (labels stay with the agent, which serves them on GET). Times
+    are instants on the agent's clock (NodeReport.clock), not ages, so a row changes only
+    when something happens to its sandbox, and a delta report carries only those rows."""
+
+    id: str
+    pool: str
+    template: str
+    state: SandboxState
+    created_at: float  # wall clock (Unix seconds)
+    cpus: float
+    memory_mb: int
+    lease_id: str | None
+    idempotency_key: str | None
+    owner: str | None  # the client holding the lease
+    busy_s: float  # seconds spent running commands, all time
+    active_at: float | None  # when its last command ended (or it was made); None while one runs
+    frozen_at: float | None  # when it was first frozen
+
+
+def _column():
+    return Field(default_factory=list, max_length=MAX_NODE_SANDBOXES)
+
+
+class SandboxTable(Wire):
+    """Sandboxes column by column, one list per SandboxRow field, all of one length:
+    no key repeated per sandbox, and 13 lists of 5,000 validate several times faster
+    than 5,000 objects (bench/report_scale.py)."""
+
+    id: list[SandboxId] = _column()
+    pool: list[Name] = _column()
+    template: list[Name] = _column()
+    state: list[SandboxState] = _column()
+    created_at: list[FiniteFloat] = _column()
+    cpus: list[Annotated[float, Field(gt=0, le=256)]] = _column()
+    memory_mb: list[Annotated[int, Field(gt=0, le=1 << 40)]] = _column()
+    lease_id: list[LeaseId | None] = _column()
+    idempotency_key: list[IdempotencyKey | None] = _column()
+    owner: list[ClientId | None] = _column()
+    busy_s: list[Seconds] = _column()
+    active_at: list[FiniteFloat | None] = _column()
+    frozen_at: list[FiniteFloat | None] = _column()
+
+    @model_validator(mode="after")
+    def _same_length(self) -> SandboxTable:
+        if len({len(getattr(self, name)) for name in SandboxRow._fields}) > 1:
+            raise ValueError("the columns differ in length")
+        return self
+
+    @classmethod
+    def of(cls, rows: Collection[SandboxRow]) -> SandboxTable:
+        columns = map(list, zip(*rows, strict=True))  # none at all for no rows: defaults
+        return cls(**dict(zip(SandboxRow._fields, columns, strict=False)))
+
+    def rows(self) -> list[SandboxRow]:
+        columns = (getattr(self, name) for name in SandboxRow._fields)
+        return list(map(SandboxRow._make, zip(*columns, strict=True)))
+
+
 class NodeReport(Wire):
-    """The heartbeat: everything the control plane knows about a node comes from here."""
+    """The heartbeat: everything the control plane knows about a node comes from here.
+
+    A full report (`base` unset) lists every sandbox of the node; a delta lists those
+    that changed since report `base` of the same incarnation, and in `removed` those
+    gone since. The control plane answers a ReportAck (agent/report.py says why)."""
 
     node_id: Name
     kind: NodeKind
-    url: str
+    url: str = Field(max_length=2048)
     capacity: Capacity
     usage: Usage
-    images: list[str] = Field(default_factory=list, max_length=10_000)
-    sandboxes: list[SandboxReport] = Field(default_factory=list, max_length=1_000_000)
-    incarnation: str = Field(description="changes every time the agent process starts")
+    images: list[Annotated[str, StringConstraints(max_length=MAX_IMAGE_REF_CHARS)]] = Field(
+        default_factory=list, max_length=MAX_NODE_IMAGES
+    )
+    incarnation: str = Field(
+        max_length=64, description="changes every time the agent process starts"
+    )
     engine_ok: bool = Field(True, description="the node's Docker engine answered its last check")
     create_limit: int = Field(
         4,
@@ -291,6 +497,77 @@ class NodeReport(Wire):
         description="creates the node runs at once: past this its engine only gets slower "
         "(the agent measures it)",
     )
+    clock: FiniteFloat = Field(
+        description="the agent's clock when it made the report, in seconds: the times in "
+        "`sandboxes` are on it"
+    )
+    seq: int = Field(ge=1, description="the report's number, from 1 in each incarnation")
+    base: int | None = Field(
+        None,
+        ge=0,
+        description="set on a delta: the report of this incarnation it is based on, which the "
+        "control plane acknowledged; unset on a full report",
+    )
+    sandboxes: SandboxTable = Field(default_factory=SandboxTable)
+    removed: list[SandboxId] = Field(
+        default_factory=list,
+        max_length=MAX_NODE_SANDBOXES,
+        description="a delta's sandboxes gone since report `base`",
+    )
+
+    @model_validator(mode="after")
+    def _consistent(self) -> NodeReport:
+        if self.base is None and self.removed:
+            raise ValueError("a full report lists every sandbox: none is removed")
+        if self.base is not None and self.base >= self.seq:
+            raise ValueError(f"base ({self.base}) must be an earlier report than seq ({self.seq})")
+        mine = self.node_id + "."
+        if not all(i.startswith(mine) for i in chain(self.sandboxes.id, self.removed)):
+            raise ValueError(f"every sandbox id must be of node {self.node_id}")
+        return self
+
+
+class ReportAck(Wire):
+    """The control plane's answer to a heartbeat."""
+
+    seq: int = Field(
+        ge=0,
+        description="the last report of the agent's incarnation the control plane has applied "
+        "(0: none): the agent's next delta may be based on it",
+    )
+    full_report: bool = Field(
+        False,
+        description="send a full report now: this delta's base is not one the control plane "
+        "applied (it restarted, or the agent did)",
+    )
+
+
+HexKey = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
+
+
+class NodeIdentity(Wire):
+    """What a node is given when it joins (`POST /v1/agents/{node_id}/join`): its own
+    credentials, each bound to its node id (controlplane/identities.py)."""
+
+    node_id: Name
+    node_token: HexKey = Field(description="its heartbeats' bearer token")
+    call_token: HexKey = Field(
+        description="the bearer token the control plane's calls to this node carry"
+    )
+    lease_key: HexKey = Field(description="the key of the lease tokens of its sandboxes")
+
+
+# JSON bytes of the longest row a live agent sends (longest ids, names and keys; times to
+# the millisecond), with room to spare: tests/test_report_density.py checks it.
+MAX_SANDBOX_ROW_BYTES = 512
+# The heartbeat route's body limit: a full report of MAX_NODE_SANDBOXES sandboxes and
+# MAX_NODE_IMAGES images fits. A delta is never larger (the agent sends a full report
+# instead). Client-facing routes keep dsec.httpkit.MAX_BODY_BYTES.
+MAX_REPORT_BYTES = (
+    64 * 1024
+    + MAX_NODE_IMAGES * (MAX_IMAGE_REF_CHARS + 3)
+    + MAX_NODE_SANDBOXES * MAX_SANDBOX_ROW_BYTES
+)
 
 
 class NodeInfo(Wire):
@@ -329,7 +606,7 @@ class CreateSandbox(Wire):
 
 
 class LeaseGrant(Wire):
-    lease_id: str = Field(pattern=r"^[0-9a-f]{32}$")
+    lease_id: LeaseId
     pool: Name = Field(description="the pool it now serves (a higher one may take it over)")
     idempotency_key: IdempotencyKey | None = None
     owner: ClientId | None = Field(None, description="the client the lease is for")
@@ -340,7 +617,5 @@ class LeaseGrant(Wire):
 class ResetSandbox(Wire):
     """Recycle a released sandbox: end `lease_id` and make the sandbox warm again."""
 
-    lease_id: str = Field(
-        pattern=r"^[0-9a-f]{32}$", description="the lease it ends; a retry once ended is a no-op"
-    )
+    lease_id: LeaseId = Field(description="the lease it ends; a retry once ended is a no-op")
     request_id: str = Field(max_length=128)

@@ -34,6 +34,9 @@ One decision, in order (DSec's defaults, seed 004 section 4.2):
 7. Cloud overflow: while local utilisation is past overflow_threshold, creates of
    templates that may leave go to cloud nodes; boot one more when none has room,
    release a cloud node that has stayed empty.
+8. End leases past their pool's max_lease_s, and those whose client neither ran a
+   command nor renewed for lease_idle_timeout_s (a rollout worker that died): the
+   sandbox goes and its slot comes back.
 """
 
 from __future__ import annotations
@@ -125,6 +128,8 @@ class SandboxSnap:
     reserved_for: str | None = None  # the request a cold create was made for
     idle_since: float | None = None  # leased: when its client last ran something
     frozen_at: float | None = None  # paused or hibernated: when it was first frozen
+    leased_at: float | None = None  # leased: when its lease began
+    renewed_at: float | None = None  # leased: when its client last renewed it
 
 
 @dataclass(slots=True)
@@ -217,6 +222,15 @@ class Destroy:
 
 
 @dataclass(frozen=True)
+class ExpireLease:
+    """End a lease its client let lapse (or that reached its pool's max_lease_s): the
+    sandbox goes, and its client is told `lease_expired`."""
+
+    sandbox_id: str
+    reason: str
+
+
+@dataclass(frozen=True)
 class Unplaceable:
     """A request that no node can take now, and why. `final`: every node that could run
     it has refused its template, so waiting will not help and the acquire fails now;
@@ -241,7 +255,7 @@ class ReleaseCloud:
 
 
 Action = (
-    Claim | Create | Unplaceable | Pause | Thaw | Hibernate | Destroy
+    Claim | Create | Unplaceable | Pause | Thaw | Hibernate | Destroy | ExpireLease
     | ProvisionCloud | ReleaseCloud
 )  # fmt: skip
 
@@ -409,6 +423,7 @@ class _Decision:
         # decision by one of them takes it, and what is left is the warm pool's
         self.creating: dict[tuple[str, str], int] = {}
         self.leased: list[SandboxSnap] = []
+        self.frozen_leases: list[SandboxSnap] = []
         for sb in sorted(snapshot.sandboxes, key=lambda s: (s.since, s.id)):
             # a sandbox created for a request is not kept for it: whatever is ready first
             # goes to the oldest waiter (reserved_for only tells whose create it was)
@@ -419,6 +434,8 @@ class _Decision:
                 self.free.setdefault((sb.pool, sb.template, sb.state), []).append(sb)
             elif sb.state == S.LEASED:
                 self.leased.append(sb)
+            elif sb.state == S.LEASED_PAUSED:
+                self.frozen_leases.append(sb)
         # waiting requests beyond the creates under way: the queue-depth signal
         self.pending: dict[tuple[str, str], int] = {}
         self.waiting: dict[tuple[str, str], int] = {}
@@ -659,6 +676,23 @@ class _Decision:
             ):
                 self.actions.append(ReleaseCloud(node.id, "cloud node empty for a while"))
 
+    # 8 ---------------------------------------------------------------------------
+    def expire_leases(self) -> None:
+        for sb in self.leased + self.frozen_leases:
+            params = self.pools.get(sb.pool)
+            if params is None or sb.leased_at is None:
+                continue
+            if params.max_lease_s is not None and self.now - sb.leased_at >= params.max_lease_s:
+                self.actions.append(ExpireLease(sb.id, "lease past max_lease_s"))
+                continue
+            if params.lease_idle_timeout_s is None or sb.idle_since is None:
+                continue  # no timeout, or a command is running: its client is there
+            active_at = max(sb.idle_since, sb.leased_at, sb.renewed_at or sb.leased_at)
+            if self.now - active_at >= params.lease_idle_timeout_s:
+                self.actions.append(
+                    ExpireLease(sb.id, "no command and no renewal for lease_idle_timeout_s")
+                )
+
 
 def decide(snapshot: Snapshot, pools: Mapping[str, PoolParams], now: float) -> list[Action]:
     d = _Decision(snapshot, pools, now)
@@ -667,5 +701,6 @@ def decide(snapshot: Snapshot, pools: Mapping[str, PoolParams], now: float) -> l
     d.scale_down()
     d.age_frozen()
     d.freeze_idle_leases()
+    d.expire_leases()
     d.cloud()
     return d.actions

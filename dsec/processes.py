@@ -5,11 +5,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import signal
 import sys
+from collections.abc import Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from dsec.models import Capacity, NodeKind
+
+if TYPE_CHECKING:
+    from dsec.tls import TlsFiles
 
 STOP_GRACE_S = 60.0
 
@@ -28,6 +34,38 @@ async def stop_process(proc: asyncio.subprocess.Process, grace_s: float = STOP_G
         await proc.wait()
 
 
+def is_credential(name: str) -> bool:
+    """Whether an environment variable holds a dsec credential (DSEC_TOKEN,
+    DSEC_ADMIN_TOKEN, DSEC_AGENT_TOKEN, DSEC_METRICS_TOKEN, ...)."""
+    return name.startswith("DSEC_") and name.endswith("TOKEN")
+
+
+def child_env(credentials: Mapping[str, str]) -> dict[str, str]:
+    """Our environment for a child process, with `credentials` and no other credential:
+    a child started from a shell that sourced the env file, or by the control plane,
+    must not inherit tokens it has no use for (an agent holding the admin token could do
+    whatever an operator can)."""
+    env = {name: value for name, value in os.environ.items() if not is_credential(name)}
+    return {**env, **credentials}
+
+
+def agent_credentials(agent_token: str, metrics_token: str | None) -> dict[str, str]:
+    """The pool's join token (the control plane's, and an agent's started by hand), and
+    the metrics token if there is one."""
+    return {"DSEC_AGENT_TOKEN": agent_token, **_metrics_credential(metrics_token)}
+
+
+def node_credentials(node_token: str, metrics_token: str | None) -> dict[str, str]:
+    """What an agent dsec starts needs: its own node token (controlplane/identities.py),
+    never the join token, with which it could join as any node; and the metrics token
+    if there is one."""
+    return {"DSEC_NODE_TOKEN": node_token, **_metrics_credential(metrics_token)}
+
+
+def _metrics_credential(metrics_token: str | None) -> dict[str, str]:
+    return {} if metrics_token is None else {"DSEC_METRICS_TOKEN": metrics_token}
+
+
 def dsec_argv(*args: str) -> list[str]:
     """`python -m dsec.cli ARGS...` with this interpreter: how dsec starts its parts."""
     return [sys.executable, "-m", "dsec.cli", *args]
@@ -44,10 +82,13 @@ def agent_args(
     kind: NodeKind = "local",
     port: int = 0,
     cleanup_on_exit: bool = True,
+    execs_per_sandbox: int | None = None,
+    execs_per_node: int | None = None,
+    tls: TlsFiles | None = None,
 ) -> list[str]:
     """The arguments of `dsec agent` (after `python -m dsec.cli`, see dsec_argv) for an
     agent that registers with `controlplane`; port 0: any free port, which the agent
-    prints on its first line."""
+    prints on its first line; `tls`: it serves and verifies with those files."""
     args = [
         "agent",
         "--node-id", node_id,
@@ -63,4 +104,10 @@ def agent_args(
     ]  # fmt: skip
     if cleanup_on_exit:
         args.append("--cleanup-on-exit")
+    if execs_per_sandbox is not None:
+        args += ["--execs-per-sandbox", str(execs_per_sandbox)]
+    if execs_per_node is not None:
+        args += ["--execs-per-node", str(execs_per_node)]
+    if tls is not None:
+        args += tls.args()
     return args

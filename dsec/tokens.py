@@ -1,16 +1,29 @@
-"""Credentials: bearer tokens and the per-lease exec token.
+"""Credentials: bearer tokens, the keys derived per node, and the per-lease exec token.
 
-A lease token is an HMAC of (sandbox id, lease id) under the cluster's agent secret,
-which the control plane and the agents share. The agent checks it against the lease
-it holds for that sandbox, so it needs no call to the control plane, a token is
-useless on any other sandbox, and it dies with the lease on release.
+Every node credential is derived from the control plane's key (controlplane/identities.py
+says which and why) with `derive`, HKDF-SHA256 (RFC 5869) with the purpose and the node
+id as its `info`: a different key per node and per use, so one node's credentials tell
+nothing about another's, and none of them leads back to the key.
+
+A lease token is `<expires_at>.<mac>`: an HMAC, under the lease key of the node that
+holds the sandbox, of the sandbox id, the lease id, the client that holds the lease and
+the instant (Unix seconds) the token stops working. The agent checks it against the
+lease and owner it holds for that sandbox, with its own lease key, so it needs no call
+to the control plane; a token is useless on any other sandbox, lease, client or node
+(another node's lease key cannot make one), after its expiry, and once the lease ends.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import re
 import secrets
+
+# The expiry of a lease whose pool sets no max_lease_s: the year 2286, never in practice.
+NO_EXPIRY = 9_999_999_999
+_EXPIRY = re.compile(r"[0-9]{1,12}")
+_HKDF_SALT = b"dsec identities v1"  # fixed: the key is random; the salt only separates uses
 
 
 def new_token() -> str:
@@ -21,9 +34,40 @@ def new_lease_id() -> str:
     return secrets.token_hex(16)
 
 
-def lease_token(secret: str, sandbox_id: str, lease_id: str) -> str:
-    mac = hmac.new(secret.encode(), f"{sandbox_id}:{lease_id}".encode(), hashlib.sha256)
-    return mac.hexdigest()
+def derive(key: str, purpose: str, node_id: str) -> str:
+    """A 256-bit key for `purpose` and `node_id`, hex: HKDF-SHA256 extract and expand
+    (one block) of the control plane's `key`."""
+    prk = hmac.new(_HKDF_SALT, key.encode(), hashlib.sha256).digest()
+    info = f"{purpose}\x00{node_id}".encode()
+    return hmac.new(prk, info + b"\x01", hashlib.sha256).hexdigest()
+
+
+def _lease_mac(
+    lease_key: str, sandbox_id: str, lease_id: str, owner: str | None, expires_at: int
+) -> str:
+    # none of the fields can hold "|": ids and owners are hex or names, the expiry digits
+    message = f"{sandbox_id}|{lease_id}|{owner or ''}|{expires_at}"
+    return hmac.new(lease_key.encode(), message.encode(), hashlib.sha256).hexdigest()
+
+
+def lease_token(
+    lease_key: str, sandbox_id: str, lease_id: str, owner: str | None, expires_at: int
+) -> str:
+    """The exec token of a lease; `lease_key` is its node's (Identities.lease_key)."""
+    return f"{expires_at}.{_lease_mac(lease_key, sandbox_id, lease_id, owner, expires_at)}"
+
+
+def lease_token_expiry(
+    lease_key: str, token: str, sandbox_id: str, lease_id: str, owner: str | None
+) -> int | None:
+    """When `token` stops working, if it is a token of this lease made with this lease
+    key; None for any other token (forged, another sandbox's, lease's, client's or
+    node's). Whether that instant has passed is the caller's to judge."""
+    expires, _, mac = token.partition(".")
+    if not _EXPIRY.fullmatch(expires):
+        return None
+    expected = _lease_mac(lease_key, sandbox_id, lease_id, owner, int(expires))
+    return int(expires) if hmac.compare_digest(mac.encode(), expected.encode()) else None
 
 
 def client_id(token: str) -> str:

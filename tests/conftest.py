@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -110,6 +109,14 @@ async def operator(pool: LocalPool) -> AsyncIterator[Client]:
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def tls_pool(docker_client, tmp_path_factory) -> AsyncIterator[LocalPool]:
+    """A pool whose every service is on HTTPS, with a CA of its own (`pool.ca`)."""
+    spec = make_spec(tmp_path_factory.mktemp("tls-pool"), nodes=2, tls=True)
+    async for p in started_pool(spec, docker_client):
+        yield p
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def controlplane_app() -> AsyncIterator[InProcessControlPlane]:
     """A control plane in this process with no agents (tests/inprocess.py): no Docker."""
     async with inprocess_controlplane() as cp:
@@ -141,7 +148,7 @@ async def start_agent(
     env: dict[str, str] | None = None,
 ) -> ExtraAgent:
     """`dsec agent` registering with the pool; `env` may point it at another engine."""
-    from dsec.processes import agent_args, dsec_argv
+    from dsec.processes import agent_args, child_env, dsec_argv
 
     args = agent_args(
         node_id,
@@ -155,7 +162,7 @@ async def start_agent(
     proc = await asyncio.create_subprocess_exec(
         *dsec_argv(*args),
         stdout=asyncio.subprocess.PIPE,
-        env={**os.environ, **pool.tokens.env(), **(env or {})},
+        env={**child_env(pool.tokens.agent_env()), **(env or {})},
         start_new_session=True,
     )
     agent = ExtraAgent(node_id, proc)

@@ -1,21 +1,31 @@
-"""A control plane in the test's own process, on aiohttp's test server, with no agents.
+"""A control plane in the test's own process, on aiohttp's test server, with no agents;
+and an agent in the test's own process, with no Docker engine.
 
 For what the control plane refuses before a request reaches its queues (bad bodies,
 credentials, unknown routes, pools or ids, bad pool parameters): there, a live pool
 with agents and Docker adds nothing. An acquire that passes validation waits here until
-its timeout, since no agent ever reports.
+its timeout, since no agent ever reports. The same goes for what an agent refuses before
+it calls its engine (credentials), and for its files on disk (stores, audit logs).
 """
 
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from pathlib import Path
 
 from aiohttp.test_utils import TestClient, TestServer
 
+from agent.app import create_agent_app
+from agent.config import AgentConfig
+from agent.engine import CreateLimit, EngineQueue
+from agent.metrics import AgentMetrics
+from agent.node import Agent
 from controlplane.app import create_controlplane_app
 from controlplane.config import ControlPlaneConfig
+from controlplane.identities import Identities
 from dsec.clock import SystemClock
 from dsec.tokens import new_token
 
@@ -24,7 +34,7 @@ from dsec.tokens import new_token
 class Tokens:
     client: str  # the first client token
     admin: str
-    agent: str
+    agent: str  # the join token
 
 
 @dataclass(frozen=True)
@@ -32,6 +42,7 @@ class InProcessControlPlane:
     url: str  # the test server's root, on 127.0.0.1, without a trailing slash
     tokens: Tokens
     http: TestClient  # aiohttp's test client for the same server, sending no credentials
+    identities: Identities  # every node's credentials (node tokens for heartbeats)
 
 
 @contextlib.asynccontextmanager
@@ -42,12 +53,61 @@ async def inprocess_controlplane(
     sets other fields of the control plane's configuration."""
     clients = list(client_tokens) or [new_token()]
     tokens = Tokens(client=clients[0], admin=new_token(), agent=new_token())
-    app = create_controlplane_app(
-        ControlPlaneConfig(
-            client_tokens=clients, admin_tokens=[tokens.admin], agent_token=tokens.agent, **config
-        ),
-        SystemClock(),
+    settings = ControlPlaneConfig(
+        client_tokens=clients, admin_tokens=[tokens.admin], agent_token=tokens.agent, **config
     )
+    app = create_controlplane_app(settings, SystemClock())
     async with TestClient(TestServer(app, host="127.0.0.1")) as http:
         server = http.server
-        yield InProcessControlPlane(f"http://{server.host}:{server.port}", tokens, http)
+        url = f"http://{server.host}:{server.port}"
+        yield InProcessControlPlane(url, tokens, http, Identities.of(settings))
+
+
+class IdleEngine:
+    """A Docker engine with no containers and no images: enough for an agent's start
+    (adoption, its image list, the engine watch), its report, and for what it refuses
+    before any call to its engine."""
+
+    def __init__(self) -> None:
+        self.engine = EngineQueue(1, CreateLimit(), time.monotonic)  # nothing ever queues
+
+    async def list_labelled(self, node_id: str) -> list:
+        return []
+
+    async def image_tags(self) -> list[str]:
+        return []
+
+    async def ping(self) -> None:
+        return None
+
+    async def close(self) -> None:
+        return None
+
+
+@dataclass(frozen=True)
+class InProcessAgent:
+    url: str  # the test server's root, on 127.0.0.1, without a trailing slash
+    agent: Agent  # the control plane's call token for it is agent.identity.call_token
+    http: TestClient  # aiohttp's test client for the same server, sending no credentials
+
+
+@contextlib.asynccontextmanager
+async def inprocess_agent(
+    state_dir: Path,
+    engine: object | None = None,
+    *,
+    node_id: str = "n1",
+    identities: Identities | None = None,
+    **config,
+) -> AsyncIterator[InProcessAgent]:
+    """Agent `node_id`, keeping its state in `state_dir`, started and stopped as `dsec
+    agent` would be, joined to a control plane whose credentials are `identities` (a new
+    key unless given); `engine` stands in for Docker (an IdleEngine unless given);
+    `config` sets other fields of the agent's configuration."""
+    config.setdefault("agent_token", new_token())
+    settings = AgentConfig(node_id=node_id, state_dir=state_dir, **config)
+    agent = Agent(settings, engine or IdleEngine(), SystemClock(), AgentMetrics(node_id))  # type: ignore[arg-type]
+    agent.identity = (identities or Identities(new_token(), new_token())).issue(node_id)
+    async with TestClient(TestServer(create_agent_app(agent), host="127.0.0.1")) as http:
+        server = http.server
+        yield InProcessAgent(f"http://{server.host}:{server.port}", agent, http)

@@ -2,7 +2,7 @@
 audit log every command leaves behind.
 
 The pool here has two client tokens, Alice's and Bob's, beside the operators' (admin)
-token and the agents' shared secret. Every refusal is checked for its status and its
+token and the pool's join token. Every refusal is checked for its status and its
 JSON error body.
 """
 
@@ -76,6 +76,12 @@ def exec_url(sb: Sandbox) -> str:
     return f"{sb.lease.agent_url}/v1/sandboxes/{sb.id}/exec"
 
 
+def control_plane_of(pool: LocalPool, sb: Sandbox) -> str:
+    """The control plane's credential on the agent of `sb`'s node (its call token)."""
+    assert pool.identities is not None
+    return pool.identities.call_token(sb.node)
+
+
 async def test_the_control_plane_refuses_missing_and_wrong_tokens(pool, alice):
     async with alice.sandbox() as sb:
         routes = [
@@ -93,7 +99,7 @@ async def test_the_control_plane_refuses_missing_and_wrong_tokens(pool, alice):
             for scheme in ("Basic " + ALICE, "Bearer", ALICE):  # not a bearer token
                 answer = await call(method, url, None, body, raw_auth=scheme)
                 assert_refused(answer, 401, "unauthenticated", f"{what} with {scheme[:6]}")
-            # neither a guess, nor the agents' secret, nor a lease token is a client token
+            # neither a guess, nor the join token, nor a lease token is a client token
             for token in ("not-a-token", pool.tokens.agent, sb.lease.lease_token):
                 assert_refused(await call(method, url, token, body), 403, "forbidden", what)
         # after all that, the sandbox is still leased and works
@@ -226,8 +232,15 @@ async def test_every_command_is_audited_outside_the_sandbox(pool, alice, docker_
     log_path = pool.dir / f"{sb.node}-audit.jsonl"
     assert stat.S_IMODE(os.stat(log_path).st_mode) == 0o600
     records = [json.loads(line) for line in log_path.read_text().splitlines()]
-    mine = [r for r in records if r["sandbox"] == sb.id]
-    assert len(mine) == len(commands)  # the refused command ran nothing, and left nothing
+    mine = [r for r in records if r["sandbox"] == sb.id and r["event"] == "exec"]
+    assert len(mine) == len(commands)  # the refused command ran nothing
+    # it left a record of the refusal: from where, on which route (never the token)
+    [refusal] = [r for r in records if r["sandbox"] == sb.id and r["event"] == "refused"]
+    assert (refusal["peer"], refusal["status"], refusal["route"]) == (
+        "127.0.0.1",
+        403,
+        "/v1/sandboxes/{sandbox_id}/exec",
+    )
     for record, result in zip(mine, results, strict=True):
         assert record["node"] == sb.node and record["pool"] == "default"
         assert record["lease_id"] == sb.lease.lease_id and record["peer"] == "127.0.0.1"
@@ -244,14 +257,16 @@ async def test_every_command_is_audited_outside_the_sandbox(pool, alice, docker_
 
     # the same records, for the operators, from the agent
     status, body = await call(
-        "GET", f"{sb.lease.agent_url}/v1/audit?sandbox={sb.id}", pool.tokens.agent
+        "GET", f"{sb.lease.agent_url}/v1/audit?sandbox={sb.id}", control_plane_of(pool, sb)
     )
-    assert status == 200 and body["records"] == mine
-    status, body = await call("GET", f"{sb.lease.agent_url}/v1/audit?limit=1", pool.tokens.agent)
+    assert status == 200 and body["records"] == [*mine, refusal]
+    status, body = await call(
+        "GET", f"{sb.lease.agent_url}/v1/audit?limit=1", control_plane_of(pool, sb)
+    )
     assert status == 200 and body["records"] == records[-1:]
     for query in ("sandbox=../etc", "limit=0", "limit=x"):
         status, body = await call(
-            "GET", f"{sb.lease.agent_url}/v1/audit?{query}", pool.tokens.agent
+            "GET", f"{sb.lease.agent_url}/v1/audit?{query}", control_plane_of(pool, sb)
         )
         assert status == 400 and body["error"]["message"], (query, body)
 
@@ -263,7 +278,7 @@ async def test_a_command_in_a_dead_sandbox_is_audited_with_its_error(pool, alice
     assert_refused((status, body), 409, "sandbox_exited", "exec in a dead sandbox")
     await sb.release()
     status, body = await call(
-        "GET", f"{sb.lease.agent_url}/v1/audit?sandbox={sb.id}", pool.tokens.agent
+        "GET", f"{sb.lease.agent_url}/v1/audit?sandbox={sb.id}", control_plane_of(pool, sb)
     )
     last = body["records"][-1]
     assert (last["cmd"], last["error"], last["exit_code"]) == ("true", "sandbox_exited", None)

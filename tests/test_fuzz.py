@@ -10,7 +10,8 @@ and undone: an acquire waits a few seconds at most and its sandbox is released, 
 created sandbox is removed, a pool's new parameters are set back or made inert, and the
 node has few slots. Agents' heartbeats are fuzzed against a control plane of their own
 with no agents, every forged node's address forced to a closed port on loopback: they
-must not steer the live pool, and no traffic may leave loopback.
+must not steer the live pool, and no traffic may leave loopback. The live pool's
+operations run twice: on plain HTTP and on a pool whose every service is on TLS.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from hypothesis import HealthCheck, given, settings
 
 from agent.app import agent_api
 from controlplane.app import controlplane_api
+from controlplane.identities import Identities
 from dsec.cli.up import LocalPool
 from dsec.client import Client, Sandbox
 from dsec.httpkit import Api
@@ -39,7 +41,7 @@ from dsec.image import BASE_IMAGE
 from dsec.models import NAME_PATTERN, SANDBOX_ID_PATTERN, Capacity, PoolParams
 from dsec.tokens import new_token
 
-MAX_EXAMPLES = 40  # per operation and mode: the module stays well under 90 s
+MAX_EXAMPLES = 40  # per operation and mode: the module, both pools, stays under 90 s
 MODES = [schemathesis.GenerationMode.POSITIVE, schemathesis.GenerationMode.NEGATIVE]
 ACQUIRE_TIMEOUT_S = (3.0, 10.0)  # long enough to be served, short enough not to block
 EXEC_MAX_TIMEOUT_S = 5.0
@@ -71,32 +73,40 @@ def cases(api: Api, exclude: tuple[str, str] | None = None) -> list:
     return found
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def pool(docker_client, tmp_path_factory) -> AsyncIterator[LocalPool]:
+@pytest_asyncio.fixture(
+    scope="module", loop_scope="module", params=[False, True], ids=["http", "https"]
+)
+async def pool(request, docker_client, tmp_path_factory) -> AsyncIterator[LocalPool]:
     spec = make_spec(
         tmp_path_factory.mktemp("fuzz"),
         nodes=1,
         capacity=Capacity(cpus=16, memory_mb=16384, slots=12),
         pool=PoolParams(min_warm=2),
+        tls=request.param,
     )
     async for p in started_pool(spec, docker_client):
         yield p
 
 
+def verify(pool: LocalPool) -> str | bool:
+    """What `requests` verifies the pool's certificates with: its CA, or the default."""
+    return str(pool.ca) if pool.ca else True
+
+
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def leased(pool: LocalPool) -> AsyncIterator[Sandbox]:
     """The sandbox whose lease token the exec examples carry."""
-    async with Client(pool.url, token=pool.tokens.client) as c:
+    async with Client(pool.url, token=pool.tokens.client, ca=pool.ca) as c:
         async with c.sandbox() as sb:
             yield sb
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def lone_controlplane(tmp_path_factory) -> AsyncIterator[tuple[str, str]]:
-    """A control plane with no agents, for forged heartbeats: (url, agent token)."""
+async def lone_controlplane(tmp_path_factory) -> AsyncIterator[tuple[str, Identities]]:
+    """A control plane with no agents, for forged heartbeats: (url, its nodes' credentials)."""
     config = tmp_path_factory.mktemp("lone") / "controlplane.json"
-    config.write_text(json.dumps({"pools": {"default": {"min_warm": 0}}}))
-    agent_token = new_token()
+    key, agent_token = new_token(), new_token()
+    config.write_text(json.dumps({"pools": {"default": {"min_warm": 0}}, "identity_key": key}))
     env = {**os.environ, "DSEC_ADMIN_TOKEN": new_token(), "DSEC_AGENT_TOKEN": agent_token}
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "dsec.cli", "controlplane", "--config", str(config),
@@ -106,7 +116,7 @@ async def lone_controlplane(tmp_path_factory) -> AsyncIterator[tuple[str, str]]:
     assert proc.stdout is not None
     try:
         line = await asyncio.wait_for(proc.stdout.readline(), 30)
-        yield json.loads(line)["url"], agent_token
+        yield json.loads(line)["url"], Identities(key, agent_token)
     finally:
         proc.terminate()
         await proc.wait()
@@ -116,16 +126,18 @@ async def lone_controlplane(tmp_path_factory) -> AsyncIterator[tuple[str, str]]:
 def default_params(pool) -> Iterator[dict]:
     """The default pool's parameters, set back at the end whatever the examples did."""
     url, headers = f"{pool.url}/v1/pools", {"Authorization": f"Bearer {pool.tokens.admin}"}
-    answer = requests.get(url, headers=headers, timeout=10).json()
+    answer = requests.get(url, headers=headers, timeout=10, verify=verify(pool)).json()
     params = next(p["params"] for p in answer["pools"] if p["name"] == "default")
     yield params
-    requests.put(f"{url}/default", json=params, headers=headers, timeout=10)
+    requests.put(f"{url}/default", json=params, headers=headers, timeout=10, verify=verify(pool))
 
 
-def served_schema(url: str, static: dict, steer: Callable[[dict], None]):
+def served_schema(
+    url: str, static: dict, steer: Callable[[dict], None], tls_verify: str | bool = True
+):
     """The document the service serves (it must be the one the tests were built from),
     with `steer` applied to what positive examples may ask for."""
-    served = requests.get(f"{url}/openapi.json", timeout=10).json()
+    served = requests.get(f"{url}/openapi.json", timeout=10, verify=tls_verify).json()
     assert served == static
     for ops in served["paths"].values():
         for op in ops.values():
@@ -166,10 +178,16 @@ def steer_agent(node_id: str) -> Callable[[dict], None]:
 class Fuzzer:
     base_url: str
     headers: dict[str, str]
+    tls_verify: str | bool = True  # a CA bundle for a pool on TLS
     answers: list[int] = field(default_factory=list)
 
     def send(self, case, headers: dict[str, str] | None = None) -> requests.Response:
-        response = case.call(base_url=self.base_url, headers=headers or self.headers, timeout=30)
+        response = case.call(
+            base_url=self.base_url,
+            headers=headers or self.headers,
+            timeout=30,
+            verify=self.tls_verify,
+        )
         self.answers.append(response.status_code)
         assert response.status_code < 500, (
             f"{case.method} {case.formatted_path} {case.body!r:.300} -> "
@@ -179,7 +197,12 @@ class Fuzzer:
 
     def undo(self, method: str, path: str, json_body: dict | None = None) -> None:
         answer = requests.request(
-            method, f"{self.base_url}{path}", json=json_body, headers=self.headers, timeout=30
+            method,
+            f"{self.base_url}{path}",
+            json=json_body,
+            headers=self.headers,
+            timeout=30,
+            verify=self.tls_verify,
         )
         assert answer.status_code == 200, answer.text
 
@@ -208,8 +231,8 @@ def clamp_number(body, name: str, low: float, high: float) -> None:
 
 @pytest.mark.parametrize(("method", "path", "mode"), cases(controlplane_api(), HEARTBEAT))
 def test_the_control_plane_answers_no_5xx(pool, default_params, method, path, mode):
-    schema = served_schema(pool.url, controlplane_api().openapi(), steer_controlplane)
-    fuzzer = Fuzzer(pool.url, {"Authorization": f"Bearer {pool.tokens.admin}"})
+    schema = served_schema(pool.url, controlplane_api().openapi(), steer_controlplane, verify(pool))
+    fuzzer = Fuzzer(pool.url, {"Authorization": f"Bearer {pool.tokens.admin}"}, verify(pool))
 
     def run(case) -> None:
         acquire = (method, path) == ("POST", "/v1/sandboxes")
@@ -234,7 +257,12 @@ def wait_until_only_default_holds_sandboxes(fuzzer: Fuzzer) -> None:
     tests after this one get the node's slots back."""
     deadline = time.monotonic() + 30
     while True:
-        answer = requests.get(f"{fuzzer.base_url}/v1/sandboxes", headers=fuzzer.headers, timeout=10)
+        answer = requests.get(
+            f"{fuzzer.base_url}/v1/sandboxes",
+            headers=fuzzer.headers,
+            timeout=10,
+            verify=fuzzer.tls_verify,
+        )
         others = [s["id"] for s in answer.json()["sandboxes"] if s["pool"] != "default"]
         if not others:
             return
@@ -244,18 +272,21 @@ def wait_until_only_default_holds_sandboxes(fuzzer: Fuzzer) -> None:
 
 @pytest.mark.parametrize("mode", MODES, ids=str)
 def test_forged_heartbeats_answer_no_5xx(lone_controlplane, mode):
-    url, agent_token = lone_controlplane
+    url, identities = lone_controlplane
     schema = served_schema(url, controlplane_api().openapi(), steer_controlplane)
-    fuzzer = Fuzzer(url, {"Authorization": f"Bearer {agent_token}"})
+    fuzzer = Fuzzer(url, {})
 
     def run(case) -> None:
+        # the forged node's own token: past the credential check, to the report's parser
+        node_token = identities.node_token(case.path_parameters["node_id"])
         if isinstance(case.body, dict):
             case.body["url"] = CLOSED_PORT_URL  # whatever node it forges, on loopback
-            for sandbox in case.body.get("sandboxes") or []:
+            table = case.body.get("sandboxes")
+            busy = table.get("busy_s") if isinstance(table, dict) else None
+            if isinstance(busy, list):
                 # known: test_a_report_with_negative_busy_time_is_refused
-                if isinstance(sandbox, dict) and isinstance(sandbox.get("busy_s"), int | float):
-                    sandbox["busy_s"] = abs(sandbox["busy_s"])
-        fuzzer.send(case)
+                table["busy_s"] = [abs(b) if isinstance(b, int | float) else b for b in busy]
+        fuzzer.send(case, headers={"Authorization": f"Bearer {node_token}"})
 
     fuzz(schema[HEARTBEAT[1]][HEARTBEAT[0]], mode, run)
     assert fuzzer.answers
@@ -264,8 +295,11 @@ def test_forged_heartbeats_answer_no_5xx(lone_controlplane, mode):
 @pytest.mark.parametrize(("method", "path", "mode"), cases(agent_api()))
 def test_the_agent_answers_no_5xx(pool, leased, method, path, mode):
     agent_url = pool.agents[0].url
-    schema = served_schema(agent_url, agent_api().openapi(), steer_agent(pool.node_ids[0]))
-    fuzzer = Fuzzer(agent_url, {"Authorization": f"Bearer {pool.tokens.agent}"})
+    schema = served_schema(
+        agent_url, agent_api().openapi(), steer_agent(pool.node_ids[0]), verify(pool)
+    )
+    call_token = pool.identities.call_token(pool.node_ids[0])
+    fuzzer = Fuzzer(agent_url, {"Authorization": f"Bearer {call_token}"}, verify(pool))
     lease = {"Authorization": f"Bearer {leased.lease.lease_token}"}
 
     def run(case) -> None:
@@ -284,8 +318,8 @@ def test_the_agent_answers_no_5xx(pool, leased, method, path, mode):
 
 
 def test_a_report_with_negative_busy_time_is_refused(lone_controlplane):
-    url, agent_token = lone_controlplane
-    sandbox = {
+    url, identities = lone_controlplane
+    row = {
         "id": "forged.0123456789abcdef",
         "pool": "default",
         "template": "base",
@@ -293,7 +327,12 @@ def test_a_report_with_negative_busy_time_is_refused(lone_controlplane):
         "created_at": 0,
         "cpus": 0.5,
         "memory_mb": 256,
+        "lease_id": None,
+        "idempotency_key": None,
+        "owner": None,
         "busy_s": -1.0,
+        "active_at": 0,
+        "frozen_at": None,
     }
     report = {
         "node_id": "forged",
@@ -301,13 +340,16 @@ def test_a_report_with_negative_busy_time_is_refused(lone_controlplane):
         "url": CLOSED_PORT_URL,
         "capacity": {"cpus": 1, "memory_mb": 1024, "slots": 1},
         "usage": {},
-        "sandboxes": [sandbox],
+        "sandboxes": {column: [value] for column, value in row.items()},
         "incarnation": "1",
+        "clock": 1.0,
+        "seq": 1,
     }
     answer = requests.put(
         f"{url}/v1/agents/forged",
         json=report,
-        headers={"Authorization": f"Bearer {agent_token}"},
+        headers={"Authorization": f"Bearer {identities.node_token('forged')}"},
         timeout=10,
     )
     assert answer.status_code == 422, answer.text
+    assert answer.json()["error"]["details"][0]["loc"] == "sandboxes.busy_s.0"

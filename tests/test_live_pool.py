@@ -17,10 +17,14 @@ pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 
 def container_of(docker_client: docker.DockerClient, sandbox_id: str):
+    # sparse, then one inspect: a full listing inspects each, racing with removals
     found = docker_client.containers.list(
-        all=True, filters={"label": f"{LABEL_SANDBOX}={sandbox_id}"}
+        all=True, sparse=True, filters={"label": f"{LABEL_SANDBOX}={sandbox_id}"}
     )
-    return found[0] if found else None
+    try:
+        return docker_client.containers.get(found[0].id) if found else None
+    except docker.errors.NotFound:
+        return None
 
 
 async def test_thirty_concurrent_acquires_spread_over_three_nodes(client, docker_client, pool):

@@ -199,8 +199,9 @@ class FakeDocker:
         self.verify, self.kill_answer = verify, kill
         self.calls: list[str] = []
 
-    async def run_as(self, op, container_id, script, user, timeout_s=60.0):
+    async def run(self, op, container_id, cmd, *, user="", stdin=None, cap=1 << 20, work=None):
         self.calls.append(op)
+        script = cmd[-1]
         assert user == "1000:1000" and script.count("/dev/shm") >= 1
         code, killed, err = self.kill_answer
         # one command kills, empties, then checks: the check runs only after a clean kill
@@ -217,8 +218,10 @@ class FakeDocker:
 
 
 def leased_agent(tmp_path, docker: FakeDocker, state: S = S.LEASED):
-    from agent.app import Agent, AgentConfig, Sandbox
+    from agent.config import AgentConfig
     from agent.metrics import AgentMetrics
+    from agent.node import Agent
+    from agent.sandboxes import Sandbox
     from agent.store import SandboxRecord
     from dsec.clock import SystemClock
 

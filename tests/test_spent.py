@@ -4,18 +4,18 @@ from __future__ import annotations
 
 import pytest
 
-from controlplane.spent import SpentKeys
+from controlplane.spent import KeyLog
 
 
 @pytest.mark.asyncio
 async def test_spent_keys_are_read_back_and_a_torn_last_line_is_skipped(tmp_path):
     path = tmp_path / "spent-keys.jsonl"
-    keys = SpentKeys(path, limit=10)
+    keys = KeyLog(path, limit=10)
     await keys.add("k1", "n1.aa")
     await keys.add("k2", "n1.bb")
     with path.open("a") as f:
         f.write('["k3", "n1.c')  # the control plane died mid-write
-    again = SpentKeys(path, limit=10)
+    again = KeyLog(path, limit=10)
     assert "k1" in again and again.sandbox_of("k2") == "n1.bb"
     assert "k3" not in again
 
@@ -23,18 +23,32 @@ async def test_spent_keys_are_read_back_and_a_torn_last_line_is_skipped(tmp_path
 @pytest.mark.asyncio
 async def test_the_file_is_rewritten_to_the_newest_keys_once_it_doubles_the_limit(tmp_path):
     path = tmp_path / "spent-keys.jsonl"
-    keys = SpentKeys(path, limit=3)
+    keys = KeyLog(path, limit=3)
     for i in range(7):
         await keys.add(f"k{i}", f"n1.{i:02x}")
     assert len(path.read_text().splitlines()) == 3  # rewritten at the 7th line
-    again = SpentKeys(path, limit=3)
+    again = KeyLog(path, limit=3)
     assert [k for k in ("k3", "k4", "k5", "k6") if k in again] == ["k4", "k5", "k6"]
 
 
 @pytest.mark.asyncio
 async def test_without_a_state_dir_keys_live_in_memory_only(tmp_path):
-    keys = SpentKeys(None, limit=2)
+    keys = KeyLog(None, limit=2)
     for i in range(3):
         await keys.add(f"k{i}", f"n1.{i:02x}")
     assert "k0" not in keys and "k2" in keys
     assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.asyncio
+async def test_a_dropped_key_stays_dropped_after_a_restart_and_the_file_compacts(tmp_path):
+    path = tmp_path / "held-keys.jsonl"
+    keys = KeyLog(path, limit=1_000_000)
+    for i in range(1500):  # a lease made and let go, again and again
+        await keys.add(f"k{i}", f"n1.{i:016x}")
+        if i != 700:
+            await keys.drop(f"k{i}")
+    again = KeyLog(path, limit=1_000_000)
+    assert [k for k in (f"k{i}" for i in range(1500)) if k in again] == ["k700"]
+    assert again.sandbox_of("k700") == f"n1.{700:016x}"
+    assert len(path.read_text().splitlines()) < 2000  # rewritten, not grown for ever

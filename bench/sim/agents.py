@@ -28,15 +28,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from agent.engine import CreateLimit, EngineQueue, Work
+from agent.report import ReportSequence
 from bench.sim.profile import Profile
 from controlplane.agents import OK, AgentAddress, CallResult
 from dsec.models import (
     Capacity,
     CreateSandbox,
+    LeaseEnd,
     LeaseGrant,
     NodeReport,
+    ReportAck,
     ResetSandbox,
-    SandboxReport,
+    SandboxRow,
     Usage,
 )
 from dsec.policy import Resources
@@ -62,38 +65,37 @@ class SimSandbox:
     busy_s: float = 0.0  # commands run, all time (played ahead: may end in the future)
     busy_until: float = 0.0  # when its last command ends
     frozen_at: float | None = None  # when it was first frozen
-    _report: SandboxReport | None = None
+    _row: SandboxRow | None = None
+    _row_key: tuple = ()  # what of the sandbox its row was made from, that changes
 
     def leased(self, grant: LeaseGrant | None) -> None:
         """Given to a lease, or back from one (None: recycled into the warm pool)."""
-        self.lease, self._report = grant, None
+        self.lease, self._row = grant, None
 
-    def report(self, now: float) -> SandboxReport:
-        """What its agent's heartbeat says of it. The fixed part is built once per lease;
-        the rest is written into it in place, unvalidated: at DSec's scale, building
-        every sandbox's report anew each heartbeat would cost more than the rest of the
-        simulation."""
-        if self._report is None:
+    def row(self, now: float) -> SandboxRow:
+        """What its agent's heartbeat says of it (agent/report.py, sandbox_row). Made anew
+        only when it changes: the report sequence then finds it unchanged at once."""
+        active_at = None if self.busy_until > now else self.busy_until
+        key = (self.state, self.busy_s, active_at, self.frozen_at)
+        if self._row is None or key != self._row_key:
             lease = self.lease
-            self._report = SandboxReport.model_construct(
+            self._row_key = key
+            self._row = SandboxRow(
                 id=self.spec.sandbox_id,
                 pool=lease.pool if lease else self.spec.pool,
                 template=self.spec.template.name,
                 state=self.state,
                 created_at=self.created_at,
+                cpus=self.needs.cpus,
+                memory_mb=self.needs.memory_mb,
                 lease_id=lease.lease_id if lease else None,
                 idempotency_key=lease.idempotency_key if lease else None,
                 owner=lease.owner if lease else None,
-                labels=lease.labels if lease else {},
-                cpus=self.needs.cpus,
-                memory_mb=self.needs.memory_mb,
+                busy_s=self.busy_s,
+                active_at=active_at,
+                frozen_at=self.frozen_at,
             )
-        fields = self._report.__dict__
-        fields["state"] = self.state
-        fields["busy_s"] = self.busy_s
-        fields["frozen_s"] = None if self.frozen_at is None else now - self.frozen_at
-        fields["idle_s"] = max(0.0, now - self.busy_until)
-        return self._report
+        return self._row
 
 
 class Job:
@@ -248,6 +250,7 @@ class SimNode:
         self.sandboxes: dict[str, SimSandbox] = {}
         self.used = Resources()
         self.down = False  # unreachable: calls fail, heartbeats stop
+        self.reports = ReportSequence()  # its agent's heartbeats: deltas, as live
         # op -> results to answer instead of doing it, first first (injected faults)
         self.faults: dict[str, list[CallResult]] = {}
 
@@ -295,9 +298,10 @@ class SimAgents:
     # --- heartbeats -------------------------------------------------------------
 
     def report(self, node_id: str, now: float) -> NodeReport:
-        """The node's heartbeat, as its live agent would send it."""
+        """The node's next heartbeat, as its live agent would send it (agent/report.py)."""
         node = self.nodes[node_id]
         cap = node.capacity
+        part = node.reports.next(sb.row(now) for sb in node.sandboxes.values())
         return NodeReport.model_construct(
             node_id=node.id,
             kind=node.kind,
@@ -309,14 +313,33 @@ class SimAgents:
                 cpus=node.used.cpus, memory_mb=node.used.memory_mb, slots=node.used.slots
             ),
             images=sorted(node.images),
-            sandboxes=[sb.report(now) for sb in node.sandboxes.values()],
             incarnation="sim",
             engine_ok=True,
             create_limit=node.queue.creates.limit,
+            clock=now,
+            seq=part.seq,
+            base=part.base,
+            sandboxes=part.sandboxes,
+            removed=part.removed,
         )
 
+    def heartbeat(
+        self, node: SimNode, deliver: Callable[[NodeReport], ReportAck], now: float
+    ) -> None:
+        """One heartbeat of `node`, and a full report at once if the control plane cannot
+        apply the delta (it restarted), as a live agent does."""
+        try:
+            report = self.report(node.id, now)
+            ack = deliver(report)
+            node.reports.acknowledged(ack)
+            if ack.full_report and report.base is not None:
+                node.reports.acknowledged(deliver(self.report(node.id, now)))
+        except Exception:  # a live agent's heartbeat would get a 500, and go on
+            log.exception("the report of %s failed", node.id)
+            node.reports.refused()
+
     async def heartbeat_forever(
-        self, deliver: Callable[[NodeReport], None], every_s: float
+        self, deliver: Callable[[NodeReport], ReportAck], every_s: float
     ) -> None:
         """Every node that answers reports every `every_s` (as `dsec agent` does), or
         less often when the cluster holds more sandboxes than REPORTED_PER_S reports a
@@ -327,12 +350,8 @@ class SimAgents:
         while True:
             sandboxes = sum(len(node.sandboxes) for node in self.nodes.values())
             for node in list(self.nodes.values()):
-                if node.down:
-                    continue
-                try:
-                    deliver(self.report(node.id, loop.time()))
-                except Exception:  # a live agent's heartbeat would get a 500, and go on
-                    log.exception("the report of %s failed", node.id)
+                if not node.down:
+                    self.heartbeat(node, deliver, loop.time())
             await asyncio.sleep(max(every_s, sandboxes / REPORTED_PER_S))
 
     # --- the agent interface ----------------------------------------------------
@@ -388,7 +407,9 @@ class SimAgents:
     async def hibernate(self, address: AgentAddress, sandbox_id: str) -> CallResult:
         return await self._on_sandbox(address, "hibernate", sandbox_id)
 
-    async def destroy(self, address: AgentAddress, sandbox_id: str) -> CallResult:
+    async def destroy(
+        self, address: AgentAddress, sandbox_id: str, ended: LeaseEnd = "released"
+    ) -> CallResult:
         return await self._on_sandbox(address, "destroy", sandbox_id)
 
     async def reset(self, address: AgentAddress, sandbox_id: str, req: ResetSandbox) -> CallResult:

@@ -12,6 +12,7 @@ import asyncio
 import selectors
 
 EPOCH = 1_700_000_000.0  # wall-clock seconds shown for virtual time zero
+THREAD_WAIT_S = 5.0  # real seconds the loop waits at most for a worker thread's answer
 
 
 class _SkipAheadSelector(selectors.DefaultSelector):
@@ -21,8 +22,12 @@ class _SkipAheadSelector(selectors.DefaultSelector):
 
     def select(self, timeout: float | None = None):
         ready = super().select(0)
-        if ready:
+        if ready or timeout == 0:  # timeout 0: callbacks are ready to run
             return ready
+        if self._loop.in_threads:
+            # a worker thread's work (a file written) takes no virtual time: the clock
+            # waits for it, as it would for any other step of the code
+            return super().select(THREAD_WAIT_S)
         if timeout is None:
             raise RuntimeError("virtual time stands still: nothing is scheduled and nothing runs")
         self._loop.virtual_now += timeout
@@ -32,7 +37,18 @@ class _SkipAheadSelector(selectors.DefaultSelector):
 class VirtualTimeLoop(asyncio.SelectorEventLoop):
     def __init__(self) -> None:
         self.virtual_now = 0.0
+        self.in_threads = 0  # calls handed to worker threads that have not answered
         super().__init__(selector=_SkipAheadSelector(self))
+
+    def run_in_executor(self, executor, func, *args):  # type: ignore[override]
+        future = super().run_in_executor(executor, func, *args)
+        self.in_threads += 1
+
+        def answered(_: asyncio.Future) -> None:
+            self.in_threads -= 1
+
+        future.add_done_callback(answered)
+        return future
 
     def time(self) -> float:
         return self.virtual_now

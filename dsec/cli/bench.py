@@ -8,6 +8,7 @@ from bench.calibrate import add_calibrate_arguments, run_calibrate
 from bench.fidelity import add_fidelity_arguments, run_fidelity
 from bench.generate import add_generate_arguments, run_generate
 from bench.replay import add_compare_arguments, add_replay_arguments, run_compare, run_replay
+from bench.report_scale import add_report_scale_arguments, run_report_scale
 from bench.sweep import add_sweep_arguments, run_sweep
 
 
@@ -22,6 +23,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         ("sweep", "sweep pool parameters in the simulator", add_sweep_arguments, run_sweep),
         ("fidelity", "the simulator against a live replay", add_fidelity_arguments, run_fidelity),
         ("calibrate", "measure Docker into a sim profile", add_calibrate_arguments, run_calibrate),
+        (
+            "report-scale",
+            "a node's heartbeat of 5,000 sandboxes, applied by the control plane",
+            add_report_scale_arguments,
+            run_report_scale,
+        ),
     ):
         command = bench_sub.add_parser(name, help=help_)
         add_arguments(command)

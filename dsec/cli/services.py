@@ -7,12 +7,15 @@ import argparse
 import asyncio
 import json
 import os
+import resource
+import ssl
 import sys
 from pathlib import Path
 
 import aiohttp
 from pydantic import ValidationError
 
+from agent.config import AgentConfig
 from dsec.cli.common import (
     DASHBOARD_HINT,
     DEFAULT_STATE_DIR,
@@ -22,16 +25,19 @@ from dsec.cli.common import (
     format_table,
 )
 from dsec.models import Capacity
+from dsec.tls import TlsFiles
 
 # --- dsec controlplane ---------------------------------------------------------
 
 
 def cmd_controlplane(args: argparse.Namespace) -> int:
+    from controlplane.agents import HttpAgents
     from controlplane.app import create_controlplane_app
     from controlplane.cloud import LocalCloudProvider
     from controlplane.config import ControlPlaneConfig
+    from controlplane.identities import Identities, load_or_make_key
     from dsec.clock import SystemClock
-    from dsec.httpkit import serve, stop_on_signals
+    from dsec.httpkit import ServerLimits, serve, stop_on_signals
 
     data = {}
     if args.config:
@@ -44,6 +50,16 @@ def cmd_controlplane(args: argparse.Namespace) -> int:
         client_tokens=[t for t in os.environ.get("DSEC_TOKEN", "").split(",") if t],
         agent_token=env_token("DSEC_AGENT_TOKEN"),
     )
+    if "identity_key" not in data and isinstance(data.get("state_dir"), str):
+        # kept across restarts: the nodes' credentials and the lease tokens still hold
+        try:
+            data["identity_key"] = load_or_make_key(Path(data["state_dir"]))
+        except (OSError, ValueError) as e:
+            raise UsageError(f"cannot keep the control plane's key: {e}") from e
+    if os.environ.get("DSEC_METRICS_TOKEN"):
+        data["metrics_token"] = os.environ["DSEC_METRICS_TOKEN"]
+    if args.require_metrics_token is not None:
+        data["require_metrics_token"] = args.require_metrics_token
     if args.host:
         data["host"] = args.host
     if args.port is not None:
@@ -52,18 +68,32 @@ def cmd_controlplane(args: argparse.Namespace) -> int:
         config = ControlPlaneConfig.model_validate(data)
     except ValidationError as e:
         raise UsageError(f"invalid control plane config: {describe(e)}") from e
+    tls, server_ssl = _tls(args)
+    limits = ServerLimits()
+    _raise_open_files_limit(limits.max_connections + FDS_SPARE)
 
     async def main() -> None:
         cloud = None
         if config.cloud is not None:
-            cloud = LocalCloudProvider(config.cloud, config.agent_token)
-        app = create_controlplane_app(config, SystemClock(), cloud)
+            cloud = LocalCloudProvider(
+                config.cloud, Identities.of(config), config.metrics_token, tls=tls
+            )
+        agents = HttpAgents(Identities.of(config), verify=tls.client_ssl())
+        app = create_controlplane_app(config, SystemClock(), cloud, agents=agents)
 
         def listening(url: str) -> None:
             if cloud is not None:
                 cloud.controlplane_url = url  # where its cloud agents register
 
-        await serve(app, config.host, config.port, stop_on_signals(), listening)
+        await serve(
+            app,
+            config.host,
+            config.port,
+            stop_on_signals(),
+            listening,
+            ssl_context=server_ssl,
+            limits=limits,
+        )
 
     asyncio.run(main())
     return 0
@@ -72,15 +102,33 @@ def cmd_controlplane(args: argparse.Namespace) -> int:
 # --- dsec agent ----------------------------------------------------------------
 
 
+# a command holds its client's connection and one to the engine; the rest is the agent's
+FDS_PER_EXEC, FDS_SPARE = 2, 1024
+SPARE_CONNECTIONS = 256  # an agent's beyond its commands': the control plane's (64), files
+
+
+def _raise_open_files_limit(wanted: int) -> None:
+    """Lift the soft limit on open files towards `wanted` (up to the hard limit): many
+    systems start processes at 1024, fewer than a node's commands need at once."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+
+
 def cmd_agent(args: argparse.Namespace) -> int:
     import docker
 
-    from agent.app import Agent, AgentConfig, create_agent_app
-    from agent.docker_driver import AsyncDocker, DockerDriver
+    from agent.app import create_agent_app
+    from agent.docker_driver import AsyncDocker
     from agent.metrics import AgentMetrics
+    from agent.node import Agent
     from dsec.clock import SystemClock
-    from dsec.httpkit import serve, stop_on_signals
+    from dsec.httpkit import ServerLimits, serve, stop_on_signals
 
+    tls, server_ssl = _tls(args)
+    if tls.serving and (args.controlplane or "").startswith("http://"):
+        raise UsageError("an agent serving TLS reports over TLS: --controlplane must be https")
     try:
         config = AgentConfig(
             node_id=args.node_id,
@@ -89,26 +137,46 @@ def cmd_agent(args: argparse.Namespace) -> int:
             port=args.port,
             capacity=Capacity(cpus=args.cpus, memory_mb=args.memory_mb, slots=args.slots),
             controlplane_url=args.controlplane,
-            agent_token=env_token("DSEC_AGENT_TOKEN"),
+            # its own node token, or the pool's join token (controlplane/identities.py)
+            agent_token=env_token("DSEC_NODE_TOKEN", "DSEC_AGENT_TOKEN"),
             state_dir=args.state_dir,
             heartbeat_s=args.heartbeat_s,
             cleanup_on_exit=args.cleanup_on_exit,
+            execs_per_sandbox=args.execs_per_sandbox,
+            execs_per_node=args.execs_per_node,
+            metrics_token=os.environ.get("DSEC_METRICS_TOKEN") or None,
+            require_metrics_token=args.require_metrics_token,
+            audit_max_bytes=args.audit_max_bytes,
+            audit_files=args.audit_files,
+            ca=tls.ca,
         )
     except ValidationError as e:
         raise UsageError(f"invalid agent settings: {describe(e)}") from e
     try:
-        client = docker.from_env(max_pool_size=48)
+        client = docker.from_env()  # a clear message now rather than a failing node
         client.ping()
+        client.close()
     except docker.errors.DockerException as e:
         raise UsageError(f"the Docker engine is not reachable: {e}") from e
+
+    _raise_open_files_limit(FDS_PER_EXEC * config.execs_per_node + FDS_SPARE)
 
     async def main() -> None:
         clock = SystemClock()
         metrics = AgentMetrics(config.node_id)
-        driver = AsyncDocker(DockerDriver(client), clock, metrics.observe_docker)
+        driver = AsyncDocker(clock, metrics.observe_docker)
         agent = Agent(config, driver, clock, metrics)
         app = create_agent_app(agent)
-        await serve(app, config.host, config.port, stop_on_signals(), agent.listening_at)
+        await serve(
+            app,
+            config.host,
+            config.port,
+            stop_on_signals(),
+            agent.listening_at,
+            ssl_context=server_ssl,
+            # a command holds a connection; the rest are the control plane's and files'
+            limits=ServerLimits(max_connections=config.execs_per_node + SPARE_CONNECTIONS),
+        )
 
     asyncio.run(main())
     return 0
@@ -120,10 +188,12 @@ def cmd_agent(args: argparse.Namespace) -> int:
 def cmd_status(args: argparse.Namespace) -> int:
     url = (args.url or os.environ.get("DSEC_URL") or "http://127.0.0.1:8700").rstrip("/")
     token = env_token("DSEC_ADMIN_TOKEN", "DSEC_TOKEN")
+    tls, _ = _tls(args)
 
     async def fetch() -> tuple[dict, dict]:
         headers = {"Authorization": f"Bearer {token}"}
-        async with aiohttp.ClientSession(headers=headers) as http:
+        connector = aiohttp.TCPConnector(ssl=tls.client_ssl())
+        async with aiohttp.ClientSession(headers=headers, connector=connector) as http:
             out = []
             for path in ("/v1/nodes", "/v1/sandboxes"):
                 async with http.get(url + path, timeout=aiohttp.ClientTimeout(total=10)) as r:
@@ -177,12 +247,64 @@ def cmd_status(args: argparse.Namespace) -> int:
 # --- the parsers ---------------------------------------------------------------
 
 
+def _metrics_flags(parser: argparse.ArgumentParser, who_else: str) -> None:
+    """--metrics-token-required and --open-metrics; neither: a token is required when
+    DSEC_METRICS_TOKEN is set."""
+    flags = parser.add_mutually_exclusive_group()
+    flags.add_argument(
+        "--metrics-token-required",
+        dest="require_metrics_token",
+        action="store_const",
+        const=True,
+        help=f"/metrics needs DSEC_METRICS_TOKEN{who_else} (the default when it is set)",
+    )
+    flags.add_argument(
+        "--open-metrics",
+        dest="require_metrics_token",
+        action="store_const",
+        const=False,
+        help="/metrics needs no token, even when DSEC_METRICS_TOKEN is set",
+    )
+
+
+def _tls_flags(parser: argparse.ArgumentParser, serves: bool = True) -> None:
+    """--ca, and for a service --tls-cert and --tls-key."""
+    if serves:
+        parser.add_argument(
+            "--tls-cert", type=Path, help="serve HTTPS with this certificate (PEM, chain after it)"
+        )
+        parser.add_argument("--tls-key", type=Path, help="the certificate's private key (PEM)")
+    else:
+        parser.set_defaults(tls_cert=None, tls_key=None)
+    parser.add_argument(
+        "--ca",
+        type=Path,
+        help="CA bundle (PEM) that verifies the services called over HTTPS "
+        "(default $DSEC_CA; neither: the system's roots)",
+    )
+
+
+def _tls(args: argparse.Namespace) -> tuple[TlsFiles, ssl.SSLContext | None]:
+    """The TLS files the flags name, and the server context made of them: a missing or
+    unreadable file is a usage error now, not a service that fails on its first call."""
+    ca = args.ca or os.environ.get("DSEC_CA") or None
+    try:
+        files = TlsFiles(args.tls_cert, args.tls_key, Path(ca) if ca else None)
+        server_ssl = files.server_context()
+        files.client_ssl()  # the CA bundle parses
+    except (ValueError, OSError) as e:  # ssl.SSLError is an OSError
+        raise UsageError(f"TLS: {e}") from e
+    return files, server_ssl
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     """Add `dsec controlplane`, `dsec agent` and `dsec status`."""
     cp = sub.add_parser("controlplane", help="run the control plane alone")
     cp.add_argument("--config", help="JSON file: pools, templates, timers")
     cp.add_argument("--host")
     cp.add_argument("--port", type=int)
+    _metrics_flags(cp, " or an admin token, and so does /v1/sd/prometheus")
+    _tls_flags(cp)
     cp.set_defaults(run=cmd_controlplane)
 
     ag = sub.add_parser("agent", help="run a node's launcher agent")
@@ -201,9 +323,36 @@ def register(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="remove this node's sandboxes when the agent stops",
     )
+    ag.add_argument(
+        "--execs-per-sandbox",
+        type=int,
+        default=AgentConfig.model_fields["execs_per_sandbox"].default,
+        help="commands one sandbox runs at once; more answer 429",
+    )
+    ag.add_argument(
+        "--execs-per-node",
+        type=int,
+        default=AgentConfig.model_fields["execs_per_node"].default,
+        help="commands this node runs at once; more answer 429",
+    )
+    ag.add_argument(
+        "--audit-max-bytes",
+        type=int,
+        default=AgentConfig.model_fields["audit_max_bytes"].default,
+        help="the audit log's size at which it is rotated",
+    )
+    ag.add_argument(
+        "--audit-files",
+        type=int,
+        default=AgentConfig.model_fields["audit_files"].default,
+        help="audit log files kept, the current one included",
+    )
+    _metrics_flags(ag, "")
+    _tls_flags(ag)
     ag.set_defaults(run=cmd_agent)
 
     st = sub.add_parser("status", help="nodes and sandboxes of a running pool")
     st.add_argument("--url", help="control plane URL (default $DSEC_URL)")
     st.add_argument("--json", action="store_true")
+    _tls_flags(st, serves=False)
     st.set_defaults(run=cmd_status)

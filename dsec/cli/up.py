@@ -14,22 +14,33 @@ import asyncio
 import contextlib
 import json
 import os
+import shlex
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
 import docker
-from pydantic import ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from agent.docker_driver import LABEL_NODE
-from controlplane.cloud import CloudConfig
-from controlplane.config import ControlPlaneConfig, default_templates
+from controlplane.cloud import CloudConfig, cloud_node_host
+from controlplane.config import ClientQuota, ClientSpec, ControlPlaneConfig, default_templates
+from controlplane.identities import Identities, load_or_make_key
 from dsec.baselines import PolicyName
 from dsec.cli.common import DASHBOARD_HINT, DEFAULT_STATE_DIR, UsageError, describe, format_table
 from dsec.image import ensure_base_image
-from dsec.models import Capacity, PoolParams, TemplateSpec
-from dsec.processes import agent_args, dsec_argv, stop_process
+from dsec.models import Capacity, Name, PoolParams, TemplateSpec
+from dsec.processes import (
+    agent_args,
+    agent_credentials,
+    child_env,
+    dsec_argv,
+    node_credentials,
+    stop_process,
+)
+from dsec.statedir import private_dir, write_private
+from dsec.tls import TlsFiles, client_ssl, make_local_pool_tls
 from dsec.tokens import new_token
 
 READY_TIMEOUT_S = 60.0
@@ -37,6 +48,12 @@ READY_TIMEOUT_S = 60.0
 
 class LocalPoolError(RuntimeError):
     pass
+
+
+def agent_host(index: int) -> str:
+    """Where the `index`th (from 1) agent of a local pool listens: 127.0.0.1 is the
+    control plane's."""
+    return f"127.0.0.{index + 1}"
 
 
 @dataclass
@@ -54,6 +71,29 @@ class LocalPoolSpec:
     cloud_idle_release_s: float = 60.0
     policy: PolicyName = "dsec"  # or one of the baselines
     templates: dict[str, TemplateSpec] = field(default_factory=default_templates)
+    execs_per_sandbox: int | None = None  # the agents' own default unless set
+    execs_per_node: int | None = None
+    # /metrics and discovery need a metrics token (DSEC_METRICS_TOKEN, made if unset);
+    # a metrics token set in the environment turns this on as well
+    metrics_token: bool = False
+    # every service on HTTPS, with a CA made for this pool at each start (dsec/tls.py)
+    tls: bool = False
+    # from `dsec up --config`: more pools beside "default", client quotas
+    more_pools: dict[str, PoolParams] = field(default_factory=dict)
+    clients: list[ClientSpec] = field(default_factory=list)
+    default_quota: ClientQuota = field(default_factory=ClientQuota)
+
+
+class UpConfig(BaseModel):
+    """`dsec up --config FILE` (JSON): pools, templates and client quotas, as the control
+    plane's config has them; the rest `dsec up` sets itself."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    pools: dict[Name, PoolParams] = Field(default_factory=dict)
+    templates: dict[Name, TemplateSpec] = Field(default_factory=dict)
+    clients: list[ClientSpec] = Field(default_factory=list)
+    default_quota: ClientQuota = Field(default_factory=ClientQuota)
 
 
 @dataclass
@@ -63,6 +103,7 @@ class Child:
     proc: asyncio.subprocess.Process
     url: str = ""
     drain: asyncio.Task | None = None
+    credentials: dict[str, str] = field(default_factory=dict, repr=False)  # its environment's
 
 
 @dataclass
@@ -70,34 +111,54 @@ class Tokens:
     client: str
     admin: str
     agent: str
+    metrics: str | None = None  # None: /metrics and discovery are open
 
     @classmethod
-    def from_env_or_new(cls) -> Tokens:
+    def from_env_or_new(cls, metrics: bool = False) -> Tokens:
+        """The tokens in the environment, new ones for those not there; a metrics token
+        only if one is there or `metrics` asks for one."""
+        metrics_token = os.environ.get("DSEC_METRICS_TOKEN") or (new_token() if metrics else None)
         return cls(
             client=os.environ.get("DSEC_TOKEN") or new_token(),
             admin=os.environ.get("DSEC_ADMIN_TOKEN") or new_token(),
             agent=os.environ.get("DSEC_AGENT_TOKEN") or new_token(),
+            metrics=metrics_token,
         )
 
     def env(self) -> dict[str, str]:
+        """Every token: the env file's, and the control plane's, which checks them all."""
         return {
             "DSEC_TOKEN": self.client,
             "DSEC_ADMIN_TOKEN": self.admin,
-            "DSEC_AGENT_TOKEN": self.agent,
+            **agent_credentials(self.agent, self.metrics),
         }
+
+    def agent_env(self) -> dict[str, str]:
+        """An agent's started by hand: the join token, and the metrics token; no client's
+        or operator's. LocalPool's own agents get their node tokens (LocalPool.node_env)."""
+        return agent_credentials(self.agent, self.metrics)
+
+
+def write_env_file(path: Path, env: dict[str, str]) -> None:
+    """`export NAME=value` lines for sh's `.` or `source`, 0600 (they are credentials);
+    each value quoted, so one with spaces or shell syntax is taken as it is, never run."""
+    lines = "".join(f"export {name}={shlex.quote(value)}\n" for name, value in env.items())
+    write_private(path, lines.encode())
 
 
 class LocalPool:
     def __init__(self, spec: LocalPoolSpec) -> None:
         self.spec = spec
         self.dir = spec.state_dir / spec.name
-        self.tokens = Tokens.from_env_or_new()
+        self.tokens = Tokens.from_env_or_new(spec.metrics_token)
         self.controlplane: Child | None = None
         self.agents: list[Child] = []
         self.node_ids = [f"{spec.name}-{i}" for i in range(1, spec.nodes + 1)]
         self.cloud_prefix = f"{spec.name}-cloud"
         self.cloud_node_ids = [f"{self.cloud_prefix}-{i}" for i in range(1, spec.cloud_nodes + 1)]
         self.swept = 0  # leftover containers the last stop() removed
+        self.identities: Identities | None = None  # every node's credentials, once started
+        self.tls: TlsFiles | None = None  # with spec.tls, once started
 
     async def __aenter__(self) -> LocalPool:
         """Started. However the block ends, the pool is stopped on the way out; a start
@@ -117,19 +178,42 @@ class LocalPool:
         return self.dir / "env"
 
     @property
+    def metrics_token_file(self) -> Path:
+        """The metrics token alone, for Prometheus' `credentials_file`."""
+        return self.dir / "metrics-token"
+
+    @property
     def url(self) -> str:
         assert self.controlplane is not None
         return self.controlplane.url
 
+    @property
+    def ca(self) -> Path | None:
+        """The CA bundle clients verify this pool with (DSEC_CA); None: plain HTTP."""
+        return self.tls.ca if self.tls else None
+
+    def addresses(self, controlplane_host: str) -> list[str]:
+        """Every address a service of this pool listens on: what its certificate names."""
+        cloud = range(1, self.spec.cloud_nodes + 1)
+        return [
+            controlplane_host,
+            *(agent_host(i) for i in range(1, self.spec.nodes + 1)),
+            *(cloud_node_host(i) for i in cloud),
+        ]
+
     async def start(self) -> None:
         await asyncio.to_thread(self._prepare_docker)
-        self.dir.mkdir(parents=True, exist_ok=True)
+        private_dir(self.dir)  # credentials, stores and audit logs: ours alone
         config = ControlPlaneConfig(
             port=self.spec.port,
             client_tokens=[self.tokens.client],
             admin_tokens=[self.tokens.admin],
             agent_token=self.tokens.agent,
-            pools={"default": self.spec.pool},
+            # the control plane reads it from the same file: restarts keep it
+            identity_key=load_or_make_key(self.dir),
+            pools={"default": self.spec.pool, **self.spec.more_pools},
+            clients=self.spec.clients,
+            default_quota=self.spec.default_quota,
             templates=self.spec.templates,
             state_dir=self.dir,
             tick_s=self.spec.tick_s,
@@ -148,26 +232,52 @@ class LocalPool:
         )
         config_path = self.dir / "controlplane.json"
         # tokens reach the children through the environment, not the config file
-        config_path.write_text(
+        write_private(
+            config_path,
             config.model_dump_json(
-                indent=2, exclude={"client_tokens", "admin_tokens", "agent_token"}
-            )
+                indent=2,
+                exclude={
+                    "client_tokens",
+                    "admin_tokens",
+                    "agent_token",
+                    "metrics_token",
+                    "identity_key",
+                },
+            ).encode(),
         )
+        self.identities = Identities.of(config)
+        if self.spec.tls:
+            self.tls = make_local_pool_tls(
+                self.dir / "tls", self.spec.name, self.addresses(config.host)
+            )
         self.controlplane = await self._spawn(
-            "controlplane", ["controlplane", "--config", str(config_path)]
+            "controlplane",
+            ["controlplane", "--config", str(config_path), *(self.tls.args() if self.tls else [])],
+            self.tokens.env(),
         )
         for i, node_id in enumerate(self.node_ids, start=1):
             args = agent_args(
                 node_id,
-                host=f"127.0.0.{i + 1}",
+                host=agent_host(i),
                 controlplane=self.url,
                 capacity=self.spec.capacity,
                 state_dir=self.dir,
                 heartbeat_s=self.spec.heartbeat_s,
+                execs_per_sandbox=self.spec.execs_per_sandbox,
+                execs_per_node=self.spec.execs_per_node,
+                tls=self.tls,
             )
-            self.agents.append(await self._spawn(node_id, args))
+            self.agents.append(await self._spawn(node_id, args, self.node_env(node_id)))
         await self._wait_registered()
         self._write_env_file()
+        if self.tokens.metrics is not None:
+            write_private(self.metrics_token_file, self.tokens.metrics.encode())
+
+    def node_env(self, node_id: str) -> dict[str, str]:
+        """The credentials of an agent this pool starts: its own node token, which it
+        joins with (no token that speaks for another node), and the metrics token."""
+        assert self.identities is not None, "the pool has not started"
+        return node_credentials(self.identities.node_token(node_id), self.tokens.metrics)
 
     def _prepare_docker(self) -> None:
         try:
@@ -180,14 +290,14 @@ class LocalPool:
             ) from e
         ensure_base_image(client)
 
-    async def _spawn(self, name: str, args: list[str]) -> Child:
+    async def _spawn(self, name: str, args: list[str], credentials: dict[str, str]) -> Child:
         proc = await asyncio.create_subprocess_exec(
             *dsec_argv(*args),
             stdout=asyncio.subprocess.PIPE,
-            env={**os.environ, **self.tokens.env()},
+            env=child_env(credentials),  # its own credentials, none of the others'
             start_new_session=True,  # Ctrl-C reaches us alone; we stop the children in order
         )  # fmt: skip
-        child = Child(name, args, proc)
+        child = Child(name, args, proc, credentials=credentials)
         assert proc.stdout is not None
         try:
             line = await asyncio.wait_for(proc.stdout.readline(), READY_TIMEOUT_S)
@@ -200,7 +310,8 @@ class LocalPool:
 
     async def _wait_registered(self) -> None:
         headers = {"Authorization": f"Bearer {self.tokens.admin}"}
-        async with aiohttp.ClientSession(headers=headers) as http:
+        connector = aiohttp.TCPConnector(ssl=client_ssl(self.ca))
+        async with aiohttp.ClientSession(headers=headers, connector=connector) as http:
             for _ in range(int(READY_TIMEOUT_S / 0.1)):
                 async with http.get(f"{self.url}/v1/nodes") as resp:
                     nodes = (await resp.json())["nodes"]
@@ -210,18 +321,18 @@ class LocalPool:
         raise LocalPoolError("the agents did not register with the control plane in time")
 
     def _write_env_file(self) -> None:
-        lines = [f"export DSEC_URL={self.url}"] + [
-            f"export {k}={v}" for k, v in self.tokens.env().items()
-        ]
-        self.env_file.touch(mode=0o600)
-        self.env_file.write_text("\n".join(lines) + "\n")
+        ca = {"DSEC_CA": str(self.ca)} if self.ca else {}
+        write_env_file(self.env_file, {"DSEC_URL": self.url, **ca, **self.tokens.env()})
 
     def summary(self) -> dict:
         return {
             "url": self.url,
             "metrics": f"{self.url}/metrics",
             "service_discovery": f"{self.url}/v1/sd/prometheus",
+            # None: open; else what Prometheus sends (deploy/README.md)
+            "metrics_token_file": str(self.metrics_token_file) if self.tokens.metrics else None,
             "env_file": str(self.env_file),
+            "ca": str(self.ca) if self.ca else None,  # None: plain HTTP
             "nodes": [{"node_id": a.name, "url": a.url} for a in self.agents],
         }
 
@@ -230,7 +341,7 @@ class LocalPool:
         await self._stop_child(child)
         args = list(child.args)
         args[args.index("--port") + 1] = child.url.rsplit(":", 1)[1]
-        fresh = await self._spawn(child.name, args)
+        fresh = await self._spawn(child.name, args, child.credentials)
         self.agents[self.agents.index(child)] = fresh
         return fresh
 
@@ -292,7 +403,11 @@ def cmd_up(args: argparse.Namespace) -> int:
         capacity=capacity,
         pool=params,
         state_dir=args.state_dir,
+        metrics_token=args.metrics_token,
+        tls=args.tls,
     )
+    if args.config is not None:
+        _apply_config_file(spec, args.config)
 
     async def main() -> int:
         stop = stop_on_signals()
@@ -314,12 +429,29 @@ def cmd_up(args: argparse.Namespace) -> int:
     return asyncio.run(main())
 
 
+def _apply_config_file(spec: LocalPoolSpec, path: Path) -> None:
+    try:
+        config = UpConfig.model_validate_json(path.read_bytes())
+    except OSError as e:
+        raise UsageError(f"cannot read {path}: {e.strerror}") from e
+    except ValidationError as e:
+        raise UsageError(f"{path}: {describe(e)}") from e
+    spec.pool = config.pools.pop("default", spec.pool)
+    spec.more_pools = config.pools
+    spec.templates = {**spec.templates, **config.templates}
+    spec.clients, spec.default_quota = config.clients, config.default_quota
+
+
 def _print_summary(summary: dict) -> None:
     print(f"control plane  {summary['url']}")
     print(format_table(["node", "url"], [[n["node_id"], n["url"]] for n in summary["nodes"]]))
     print(f"metrics        {summary['metrics']}")
     print(f"prometheus sd  {summary['service_discovery']}")
+    if summary["metrics_token_file"]:
+        print(f"metrics token  {summary['metrics_token_file']} (Prometheus: credentials_file)")
     print(f"dashboard      {DASHBOARD_HINT}")
+    if summary["ca"]:
+        print(f"CA             {summary['ca']} (DSEC_CA; in the env file)")
     print(f"credentials    source {summary['env_file']}")
     print("Ctrl-C stops the pool and removes every sandbox it made.", flush=True)
 
@@ -341,5 +473,21 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="cloud nodes the pool may start when local nodes pass 80%% utilisation",
     )
     up.add_argument("--state-dir", type=Path, default=DEFAULT_STATE_DIR)
+    up.add_argument(
+        "--config",
+        type=Path,
+        help="a JSON file of pools, templates and client quotas (README: client quotas)",
+    )
+    up.add_argument(
+        "--metrics-token",
+        action="store_true",
+        help="/metrics and discovery need a metrics token: $DSEC_METRICS_TOKEN, or a new one "
+        "(then in the env file); on without this flag when that variable is set",
+    )
+    up.add_argument(
+        "--tls",
+        action="store_true",
+        help="every service on HTTPS, with a CA made for this pool (DSEC_CA in the env file)",
+    )
     up.add_argument("--json", action="store_true", help="print where things are as JSON")
     up.set_defaults(run=cmd_up)

@@ -40,6 +40,7 @@ from dsec.models import (
     AcquireRequest,
     CreateSandbox,
     Lease,
+    LeaseEnd,
     LeaseGrant,
     PoolParams,
     PrewarmInfo,
@@ -65,6 +66,7 @@ class Call:
     started: float
     ended: float
     result: CallResult
+    args: tuple = ()  # what the call said besides the sandbox (a destroy: why it ended)
 
 
 class RecordingAgents:
@@ -79,10 +81,12 @@ class RecordingAgents:
     async def close(self) -> None:
         await self.agents.close()
 
-    async def _record(self, op: str, node: AgentAddress, sandbox_id: str, call) -> CallResult:
+    async def _record(
+        self, op: str, node: AgentAddress, sandbox_id: str, call, args: tuple = ()
+    ) -> CallResult:
         started = self.clock.now()
         result = await call
-        self.calls.append(Call(op, node.id, sandbox_id, started, self.clock.now(), result))
+        self.calls.append(Call(op, node.id, sandbox_id, started, self.clock.now(), result, args))
         return result
 
     async def create(self, node: AgentAddress, spec: CreateSandbox) -> CallResult:
@@ -103,9 +107,11 @@ class RecordingAgents:
         call = self.agents.hibernate(node, sandbox_id)
         return await self._record("hibernate", node, sandbox_id, call)
 
-    async def destroy(self, node: AgentAddress, sandbox_id: str) -> CallResult:
-        call = self.agents.destroy(node, sandbox_id)
-        return await self._record("destroy", node, sandbox_id, call)
+    async def destroy(
+        self, node: AgentAddress, sandbox_id: str, ended: LeaseEnd = "released"
+    ) -> CallResult:
+        call = self.agents.destroy(node, sandbox_id, ended)
+        return await self._record("destroy", node, sandbox_id, call, (ended,))
 
     async def reset(self, node: AgentAddress, sandbox_id: str, req: ResetSandbox) -> CallResult:
         call = self.agents.reset(node, sandbox_id, req)

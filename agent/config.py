@@ -1,0 +1,53 @@
+"""The agent's configuration: which node it is, where it listens, what it may hold."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field, model_validator
+
+from dsec.httpkit import MetricsAccess
+from dsec.models import Capacity, Name, NodeKind
+
+
+class AgentConfig(MetricsAccess):
+    node_id: Name
+    kind: NodeKind = "local"
+    host: str = "127.0.0.2"
+    port: int = Field(0, ge=0, le=65535)
+    capacity: Capacity = Capacity(cpus=64, memory_mb=65536, slots=128)
+    controlplane_url: str | None = None
+    ca: Path | None = Field(
+        None, description="CA bundle verifying an https control plane (DSEC_CA); None: system's"
+    )
+    agent_token: str = Field(
+        min_length=16,
+        repr=False,
+        description="what it joins its control plane with: its own node token "
+        "(DSEC_NODE_TOKEN) or the pool's join token (DSEC_AGENT_TOKEN)",
+    )
+    state_dir: Path
+    heartbeat_s: float = Field(1.0, gt=0, le=60)
+    images_refresh_s: float = Field(10.0, gt=0)
+    engine_check_s: float = Field(1.0, gt=0, le=60, description="how often the engine is pinged")
+    engine_check_timeout_s: float = Field(5.0, gt=0, le=60, description="a slower answer: down")
+    cleanup_on_exit: bool = False
+    execs_per_sandbox: int = Field(
+        64, ge=1, le=10_000, description="commands one sandbox runs at once; more answer 429"
+    )
+    execs_per_node: int = Field(
+        2048, ge=1, le=1_000_000, description="commands the node runs at once; more answer 429"
+    )
+    audit_max_bytes: int = Field(
+        64 << 20, ge=4096, description="the audit log's size at which it is rotated"
+    )
+    audit_files: int = Field(
+        5, ge=2, le=1000, description="audit log files kept: the current one and older ones"
+    )
+
+    @model_validator(mode="after")
+    def _metrics_readable(self) -> AgentConfig:
+        # an agent has no operator token: a required metrics token must be its own
+        if self.require_metrics_token and self.metrics_token is None:
+            raise ValueError("require_metrics_token needs a metrics_token (DSEC_METRICS_TOKEN)")
+        return self

@@ -1,0 +1,365 @@
+"""Commands in sandboxes, for the client holding the lease.
+
+A command runs on the event loop (agent/docker_driver.py `Process`), holding one socket
+to the engine and no thread, so one tenant's long commands cannot delay another's.
+Limits are per sandbox and per node, answered at once with 429 rather than queued, so
+a command's deadline counts from its start. A command that outlives its deadline (or
+whose client hung up) is killed inside its own sandbox: every process that carries its
+marker in the environment, with its process group (Docker makes each command a session
+leader). The agent never signals a host PID: PIDs are reused, and a tenant can cycle
+them.
+
+One-shot commands (`run`) return their output capped; streaming ones (`stream`, the
+WebSocket route in agent/app.py) hand each chunk to a sink as it is produced and take
+stdin. Both write the same audit record.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import logging
+import secrets
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from agent.audit import AuditRecord, quoted_cmd
+from agent.docker_driver import RUNC_STOPPED, STDOUT, TIMEOUT_EXIT_CODE, DockerOpError, Process
+from agent.engine import Work
+from agent.sandboxes import Sandbox
+from dsec.httpkit import ApiError, CredentialRefused
+from dsec.models import ExecExit, ExecRequest, ExecResult, ExecStreamRequest
+from dsec.tokens import lease_token_expiry
+
+if TYPE_CHECKING:
+    from agent.node import Agent
+
+log = logging.getLogger(__name__)
+MARKER_ENV = "DSEC_EXEC"  # names a command's processes, for a kill inside the sandbox
+# Every process whose environment carries the marker, and its process group (never the
+# init's, group 1): a child that cleared its environment still dies with its group.
+KILL_SCRIPT = r"""
+for f in $(grep -l "DSEC_EXEC=$1" /proc/[0-9]*/environ 2>/dev/null); do
+  p=${f#/proc/}; p=${p%/environ}
+  g=$(sed 's/.*) //' "/proc/$p/stat" 2>/dev/null | cut -d' ' -f3)
+  [ "${g:-0}" -gt 1 ] && kill -9 "-$g" 2>/dev/null
+  kill -9 "$p" 2>/dev/null
+done
+true
+"""
+KILL_TIMEOUT_S = 5.0  # a kill that takes longer: the stream is cut all the same
+DRAIN_AFTER_KILL_S = 2.0  # output of a killed command still in flight
+EXIT_CODE_TRIES = 20  # the output can end a moment before the engine records the exit
+
+Sink = Callable[[int, bytes], Awaitable[None]]
+
+
+@dataclass
+class Outcome:
+    exit_code: int
+    timed_out: bool
+    truncated: bool
+    duration_ms: float
+    sent: dict[int, int] = field(default_factory=dict)  # bytes per stream given to the sink
+
+
+def _exited(sandbox_id: str) -> ApiError:
+    return ApiError(
+        409,
+        "sandbox_exited",
+        f"sandbox {sandbox_id} is no longer running (its main process exited, for example "
+        "because PID 1 was signalled); release it and acquire another",
+    )
+
+
+def _terminal_env(attach: ExecStreamRequest | None) -> dict[str, str]:
+    """What a terminal's programs expect to find (as `docker exec -t` sets it). The size
+    arrives by a resize once the command runs (this engine's API takes it no sooner); not
+    LINES and COLUMNS, which shells prefer to the terminal's size for good."""
+    return {"TERM": "xterm"} if attach is not None and attach.tty else {}
+
+
+class Execs:
+    def __init__(self, agent: Agent) -> None:
+        self.agent = agent
+        self.running = 0  # commands under way on this node
+
+    def authorize(self, sandbox_id: str, token: str | None) -> tuple[Sandbox, str]:
+        """The sandbox and its lease, if `token` holds that lease (files use it too)."""
+        agent = self.agent
+        sandbox = agent.get(sandbox_id)
+        lease_id = sandbox.record.lease_id
+        if lease_id is None:
+            raise ApiError(409, "not_leased", f"sandbox {sandbox_id} is not leased")
+        if token is None:
+            raise CredentialRefused(
+                401, "unauthenticated", "missing Authorization: Bearer <lease token>"
+            )
+        if agent.identity is None:  # it has not joined yet: it cannot check a token
+            raise ApiError(
+                503, "not_joined", f"node {agent.config.node_id} is joining its control plane"
+            )
+        # made with this node's lease key for this sandbox, lease and client, or refused
+        owner = sandbox.record.owner
+        expires_at = lease_token_expiry(
+            agent.identity.lease_key, token, sandbox_id, lease_id, owner
+        )
+        if expires_at is None:
+            raise CredentialRefused(
+                403, "forbidden", f"this token does not hold the lease on {sandbox_id}"
+            )
+        if expires_at <= agent.clock.wall():
+            raise ApiError(410, "lease_expired", f"the lease on {sandbox_id} has expired")
+        return sandbox, lease_id
+
+    def admit(self, sandbox: Sandbox) -> None:
+        """Refuse a command past the sandbox's or the node's limit (429), before any
+        answer has started, so the client can retry."""
+        config = self.agent.config
+        if sandbox.running_execs >= config.execs_per_sandbox:
+            raise ApiError(
+                429,
+                "too_many_execs",
+                f"sandbox {sandbox.id} runs {sandbox.running_execs} commands already "
+                f"(at most {config.execs_per_sandbox} at once)",
+            )
+        if self.running >= config.execs_per_node:
+            raise ApiError(
+                429,
+                "node_busy",
+                f"node {config.node_id} runs {self.running} commands already "
+                f"(at most {config.execs_per_node} at once)",
+            )
+
+    @contextlib.asynccontextmanager
+    async def running_in(self, sandbox: Sandbox, lease_id: str):
+        """Count a command (or a file operation) as running in `sandbox` for its lease:
+        the sandbox is thawed first, is not frozen or reset meanwhile, and its busy time
+        grows by the time spent."""
+        self.admit(sandbox)
+        async with sandbox.lock:  # a frozen lease is thawed before the command runs
+            if sandbox.record.lease_id != lease_id:  # released (or recycled) meanwhile
+                raise ApiError(410, "released", f"the lease on {sandbox.id} has ended")
+            await self.agent.thaw_locked(sandbox, Work.CLIENT)
+            self.admit(sandbox)  # others may have started while the lock was waited for
+            sandbox.running_execs += 1
+            self.running += 1
+        started = self.agent.clock.now()
+        try:
+            yield
+        finally:
+            sandbox.running_execs -= 1
+            self.running -= 1
+            ended = self.agent.clock.now()
+            sandbox.busy_s += ended - started
+            sandbox.last_active = ended
+
+    # --- the two ways to run a command ------------------------------------------
+
+    async def run(
+        self, sandbox_id: str, token: str | None, req: ExecRequest, peer: str | None
+    ) -> ExecResult:
+        """Run a command to its end; its output capped at `req.max_output_bytes`."""
+        out, err = bytearray(), bytearray()
+
+        async def keep(stream: int, data: bytes) -> None:
+            (out if stream == STDOUT else err).extend(data)
+
+        outcome = await self._audited(sandbox_id, token, req, peer, keep)
+        if req.encoding == "base64":
+            stdout, stderr = base64.b64encode(out).decode(), base64.b64encode(err).decode()
+        else:
+            stdout, stderr = out.decode("utf-8", "replace"), err.decode("utf-8", "replace")
+        return ExecResult(
+            exit_code=outcome.exit_code,
+            stdout=stdout,
+            stderr=stderr,
+            encoding=req.encoding,
+            timed_out=outcome.timed_out,
+            truncated=outcome.truncated,
+            duration_ms=outcome.duration_ms,
+        )
+
+    async def stream(
+        self,
+        sandbox_id: str,
+        token: str | None,
+        req: ExecStreamRequest,
+        peer: str | None,
+        sink: Sink,
+        on_started: Callable[[Process], None],
+    ) -> ExecExit:
+        """Run a command, giving each chunk of its output to `sink` as it comes;
+        `on_started` gets the running process (for stdin and resizing)."""
+        outcome = await self._audited(sandbox_id, token, req, peer, sink, on_started, req)
+        return ExecExit(
+            exit_code=outcome.exit_code,
+            timed_out=outcome.timed_out,
+            truncated=outcome.truncated,
+            duration_ms=outcome.duration_ms,
+        )
+
+    # --- shared ------------------------------------------------------------------
+
+    async def _audited(
+        self,
+        sandbox_id: str,
+        token: str | None,
+        req: ExecRequest,
+        peer: str | None,
+        sink: Sink,
+        on_started: Callable[[Process], None] | None = None,
+        attach: ExecStreamRequest | None = None,
+    ) -> Outcome:
+        agent = self.agent
+        sandbox, lease_id = self.authorize(sandbox_id, token)
+        self.admit(sandbox)
+        asked = agent.clock.now()
+        cmd, cmd_truncated = quoted_cmd(req.cmd)
+        record = AuditRecord(
+            time=agent.clock.wall(),
+            node=agent.config.node_id,
+            sandbox=sandbox_id,
+            lease_id=lease_id,
+            pool=sandbox.record.pool,
+            peer=peer,
+            cmd=cmd,
+            cmd_truncated=cmd_truncated,
+            exit_code=None,
+            duration_ms=0.0,
+        )
+        try:
+            async with self.running_in(sandbox, lease_id):
+                outcome = await self._command(sandbox, req, sink, on_started, attach)
+        except (ApiError, asyncio.CancelledError, ConnectionError) as e:
+            record.error = e.code if isinstance(e, ApiError) else "cancelled"
+            record.duration_ms = (agent.clock.now() - asked) * 1000
+            # shielded: a client that hung up still leaves its record
+            await asyncio.shield(agent.audit_record(record))
+            raise
+        finally:
+            agent.metrics.exec_seconds.labels(agent.config.node_id).observe(
+                agent.clock.now() - asked
+            )
+        record.exit_code, record.timed_out = outcome.exit_code, outcome.timed_out
+        record.duration_ms, record.truncated = outcome.duration_ms, outcome.truncated
+        record.stdout_bytes = outcome.sent.get(1, 0)
+        record.stderr_bytes = outcome.sent.get(2, 0)
+        await agent.audit_record(record)
+        return outcome
+
+    async def _command(
+        self,
+        sandbox: Sandbox,
+        req: ExecRequest,
+        sink: Sink,
+        on_started: Callable[[Process], None] | None,
+        attach: ExecStreamRequest | None,
+    ) -> Outcome:
+        agent, cid = self.agent, sandbox.record.container_id
+        marker = secrets.token_hex(16)
+        try:
+            proc = await agent.docker.start(
+                cid,
+                req.cmd,
+                env={**req.env, **_terminal_env(attach), MARKER_ENV: marker},
+                workdir=req.workdir,
+                # a terminal is the command's stdin too, even when no input is sent
+                stdin=attach is not None and (attach.stdin or attach.tty),
+                tty=attach is not None and attach.tty,
+            )
+        except DockerOpError as e:
+            raise await self._failure(sandbox, e) from e
+        started = agent.clock.now()  # the deadline counts from here
+        sent = {1: 0, 2: 0}
+        first: list[bytes] = []  # the start of stdout, to tell runc's own error apart
+        truncated = False
+
+        async def pump() -> None:
+            nonlocal truncated
+            while (chunk := await proc.read()) is not None:
+                stream, data = chunk
+                if not first and stream == STDOUT:
+                    first.append(data[:200])
+                room = req.max_output_bytes - sent[stream]
+                if len(data) > room:
+                    truncated, data = True, data[: max(0, room)]
+                if data:
+                    sent[stream] += len(data)
+                    await sink(stream, data)
+
+        timed_out = False
+        try:
+            if attach is not None:
+                if attach.tty:
+                    with contextlib.suppress(DockerOpError):
+                        await proc.resize(attach.rows, attach.cols)
+                on_started and on_started(proc)
+            try:
+                async with asyncio.timeout(req.timeout_s):
+                    await pump()
+            except TimeoutError:
+                timed_out = True
+                await self._kill(cid, marker, sandbox)
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(DRAIN_AFTER_KILL_S):
+                        await pump()  # what the command wrote before it died
+        except BaseException:
+            # the client is gone (cancelled, or its connection failed): so is its command
+            await asyncio.shield(self._kill(cid, marker, sandbox))
+            raise
+        finally:
+            await proc.close()
+        code = TIMEOUT_EXIT_CODE if timed_out else await self._exit_code(proc)
+        # A container that stopped between the exec's create and start: runc exits 126
+        # and says so, before Docker's own view of the container has caught up.
+        if code == 126 and (RUNC_STOPPED in b"".join(first) or await self._stopped(sandbox)):
+            raise _exited(sandbox.id)
+        return Outcome(
+            exit_code=code,
+            timed_out=timed_out,
+            truncated=truncated,
+            duration_ms=(agent.clock.now() - started) * 1000,
+            sent=sent,
+        )
+
+    async def _exit_code(self, proc: Process) -> int:
+        for _ in range(EXIT_CODE_TRIES):
+            try:
+                code = await proc.exit_code()
+            except DockerOpError as e:
+                self.agent.docker_failed(e)
+                break
+            if code is not None:
+                return code
+            await self.agent.clock.sleep(0.01)
+        return TIMEOUT_EXIT_CODE  # its output ended, its exit was never recorded
+
+    async def _kill(self, container_id: str, marker: str, sandbox: Sandbox) -> None:
+        """Kill a command's processes inside its sandbox (see KILL_SCRIPT)."""
+        kill = ["sh", "-c", KILL_SCRIPT, "dsec-kill", marker]
+        try:
+            async with asyncio.timeout(KILL_TIMEOUT_S):
+                await self.agent.docker.run("exec_kill", container_id, kill, user=sandbox.spec.user)
+        except (DockerOpError, TimeoutError) as e:
+            # no shell in the image, or a frozen engine: the stream is cut all the same,
+            # and what still runs stays inside the sandbox until it goes
+            log.warning("could not kill a command in %s: %s", sandbox.id, e)
+
+    async def _failure(self, sandbox: Sandbox, e: DockerOpError) -> ApiError:
+        agent = self.agent
+        agent.docker_failed(e)
+        if sandbox.id not in agent.sandboxes:
+            return ApiError(410, "released", f"sandbox {sandbox.id} was released")
+        if await self._stopped(sandbox):
+            return _exited(sandbox.id)
+        return ApiError(502, f"docker_{e.kind}", str(e))
+
+    async def _stopped(self, sandbox: Sandbox) -> bool:
+        try:
+            return not await self.agent.docker.running(sandbox.record.container_id)
+        except DockerOpError as e:
+            self.agent.docker_failed(e)
+            return False  # cannot tell: the command's own result is the answer

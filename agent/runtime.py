@@ -1,0 +1,190 @@
+"""The agent's life on its node: adopting containers after a restart, watching the
+Docker engine and reconciling after an outage, keeping the image list, joining the
+control plane (the node's credentials: controlplane/identities.py), and the heartbeat
+that carries the node's report to it."""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import logging
+
+import aiohttp
+from pydantic import ValidationError
+
+from agent.docker_driver import LABEL_SANDBOX, DockerOpError
+from agent.engine import Work
+from agent.node import Agent
+from agent.report import ReportSequence, node_report
+from agent.sandboxes import Sandbox
+from dsec.models import NodeIdentity, ReportAck, TemplateSpec
+from dsec.states import SandboxState
+from dsec.tls import client_ssl
+
+log = logging.getLogger(__name__)
+
+
+async def adopt(agent: Agent) -> None:
+    """Take back this node's containers after a restart; remove what is unaccounted for."""
+    records = {r.id: r for r in await agent.store.all()}
+    containers = await agent.docker.list_labelled(agent.config.node_id)
+    for c in containers:
+        sandbox_id = c.labels.get(LABEL_SANDBOX, "")
+        record = records.pop(sandbox_id, None)
+        if record is None or not c.alive:
+            # no record, or its processes died with the engine: nothing to hand back
+            log.info("removing unaccounted container %s (%s)", c.container_id[:12], c.status)
+            await agent.docker.remove(c.container_id)
+            if record is not None:
+                await agent.store.delete(record.id)
+            continue
+        state = SandboxState.LEASED if record.lease_id else SandboxState.WARM
+        if c.status == "paused":
+            state = SandboxState.LEASED_PAUSED if record.lease_id else SandboxState.PAUSED
+        spec = TemplateSpec.model_validate(record.template)
+        agent.sandboxes[record.id] = Sandbox(record, spec, state, agent.clock.now())
+        log.info("adopted %s as %s", record.id, state)
+    images = set(await agent.docker.image_tags())
+    for record in records.values():
+        if record.hibernated_image in images and record.archive_path:
+            spec = TemplateSpec.model_validate(record.template)
+            sandbox = Sandbox(record, spec, SandboxState.HIBERNATED, agent.clock.now())
+            sandbox.frozen_at = agent.clock.now()
+            agent.sandboxes[record.id] = sandbox
+            continue
+        await agent.store.delete(record.id)  # recorded, but its container is gone
+
+
+async def watch_engine_forever(agent: Agent) -> None:
+    while True:
+        await agent.clock.sleep(agent.config.engine_check_s)
+        await check_engine(agent)
+
+
+async def check_engine(agent: Agent) -> None:
+    """Ping the engine. When it answers again after an outage, reconcile first: an
+    engine that restarted has stopped every container (there is no live restore)."""
+    try:
+        await asyncio.wait_for(agent.docker.ping(), agent.config.engine_check_timeout_s)
+        if not agent.engine_ok:
+            await reconcile(agent)
+            log.info("the Docker engine is back; node %s takes work again", agent.config.node_id)
+        agent.engine_ok = True
+    except TimeoutError:
+        agent.engine_ok = False
+    except DockerOpError as e:
+        agent.docker_failed(e)
+        agent.engine_ok = False
+
+
+async def reconcile(agent: Agent) -> None:
+    """Drop the sandboxes whose containers are no longer running (a paused one still
+    counts as running). Their clients learn it from the control plane (a lease reported
+    lost) and from this agent (410 sandbox_lost), and the pool refills without them.
+    Each is looked at under its lock, so a create or restore that ends meanwhile is
+    seen as it is, not as a list taken before it."""
+    for sandbox in list(agent.sandboxes.values()):
+        async with sandbox.lock:
+            if agent.sandboxes.get(sandbox.record.id) is not sandbox or sandbox.state in (
+                SandboxState.CREATING,  # its create call is still in Docker's hands
+                SandboxState.HIBERNATED,  # no container: its image and archive survive
+                SandboxState.DESTROYING,
+            ):
+                continue
+            if await agent.docker.running(sandbox.record.container_id):
+                continue
+            log.warning("sandbox %s died with the Docker engine", sandbox.record.id)
+            sandbox.move(SandboxState.DESTROYING)
+            await agent.docker.remove(sandbox.record.container_id, Work.FREEZE)
+            await agent.store.delete(sandbox.record.id)
+            del agent.sandboxes[sandbox.record.id]
+            agent.lost.add(
+                sandbox.record.id,
+                "was lost: its container stopped when the node's Docker engine restarted; "
+                "release it and acquire another",
+            )
+
+
+async def refresh_images_forever(agent: Agent) -> None:
+    """The images this node holds, for placement; apart from the heartbeat, so a
+    Docker engine busy with creates never delays a heartbeat."""
+    while True:
+        await agent.clock.sleep(agent.config.images_refresh_s)
+        await refresh_images(agent)
+
+
+async def refresh_images(agent: Agent) -> None:
+    try:
+        agent.images = await agent.docker.image_tags()
+    except DockerOpError as e:
+        agent.docker_failed(e)
+
+
+async def join(agent: Agent, http: aiohttp.ClientSession) -> NodeIdentity:
+    """This node's credentials from its control plane (controlplane/identities.py), asked
+    for with what it was started with (its own node token, or the pool's join token),
+    every heartbeat_s until given; they replace any it had."""
+    node_id = agent.config.node_id
+    url = f"{agent.config.controlplane_url}/v1/agents/{node_id}/join"
+    auth = {"Authorization": f"Bearer {agent.config.agent_token}"}
+    while True:
+        try:
+            async with http.post(url, headers=auth) as resp:
+                if resp.status == 200:
+                    identity = NodeIdentity.model_validate_json(await resp.read())
+                    if identity.node_id == node_id:
+                        agent.identity = identity
+                        log.info("node %s joined %s", node_id, agent.config.controlplane_url)
+                        return identity
+                log.warning("join refused: %s %s", resp.status, await resp.text())
+        except (aiohttp.ClientError, TimeoutError, ValidationError) as e:
+            log.warning("join at %s failed: %s", url, e)
+        agent.metrics.heartbeat_failures.labels(node_id).inc()
+        await agent.clock.sleep(agent.config.heartbeat_s)
+
+
+async def heartbeat_forever(agent: Agent) -> None:
+    """Join, then report to the control plane every heartbeat_s: deltas, full reports
+    when due (agent/report.py says when and why), gzipped: a full report is mostly ids
+    and keys. A report refused for its credential means they no longer hold (a control
+    plane with another key): the node joins again."""
+    assert agent.config.controlplane_url
+    url = f"{agent.config.controlplane_url}/v1/agents/{agent.config.node_id}"
+    sequence = ReportSequence()
+    async with aiohttp.ClientSession(
+        timeout=aiohttp.ClientTimeout(total=5),
+        connector=aiohttp.TCPConnector(ssl=client_ssl(agent.config.ca)),
+    ) as http:
+        await join(agent, http)
+        await agent.listening.wait()  # the report must carry the address clients will use
+        while True:
+            agent.metrics.sandboxes.labels(agent.config.node_id).set(len(agent.sandboxes))
+            agent.metrics.observe_engine(agent.docker.engine)
+            resend = rejoin = False
+            assert agent.identity is not None  # joined
+            headers = {
+                "Authorization": f"Bearer {agent.identity.node_token}",
+                "Content-Type": "application/json",
+                "Content-Encoding": "gzip",
+            }
+            try:
+                report = node_report(agent, sequence)
+                body = gzip.compress(report.model_dump_json().encode(), compresslevel=1)
+                async with http.put(url, data=body, headers=headers) as resp:
+                    if resp.status >= 300:
+                        sequence.refused()
+                        agent.metrics.heartbeat_failures.labels(agent.config.node_id).inc()
+                        log.warning("heartbeat refused: %s %s", resp.status, await resp.text())
+                        rejoin = resp.status in (401, 403)
+                    else:
+                        ack = ReportAck.model_validate_json(await resp.read())
+                        sequence.acknowledged(ack)
+                        # it could not apply this delta (it restarted): a full report now
+                        resend = ack.full_report and report.base is not None
+            except (aiohttp.ClientError, TimeoutError, ValidationError) as e:
+                agent.metrics.heartbeat_failures.labels(agent.config.node_id).inc()
+                log.warning("heartbeat to %s failed: %s", url, e)
+            if rejoin:
+                await join(agent, http)
+            if not resend:
+                await agent.clock.sleep(agent.config.heartbeat_s)

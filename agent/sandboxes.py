@@ -1,0 +1,36 @@
+"""A sandbox as the agent holds it in memory: its stored record, its template, where it
+is in the state machine (dsec/states.py) and what it is doing now."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+from agent.store import SandboxRecord
+from dsec.models import TemplateSpec
+from dsec.states import SandboxState, transition
+
+
+@dataclass
+class Sandbox:
+    record: SandboxRecord
+    spec: TemplateSpec
+    state: SandboxState
+    last_active: float
+    busy_s: float = 0.0
+    running_execs: int = 0
+    frozen_at: float | None = None  # set when paused, kept through hibernation
+    reset_from: str | None = None  # the lease its last reset ended (a retry finds it done)
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    @property
+    def id(self) -> str:
+        return self.record.id
+
+    @property
+    def occupies(self) -> bool:
+        """Hibernated sandboxes hold disk only: no slot, CPU or memory."""
+        return self.state != SandboxState.HIBERNATED
+
+    def move(self, target: SandboxState) -> None:
+        self.state = transition(self.state, target)
