@@ -80,6 +80,7 @@ def make_spec(state_dir: Path, **overrides) -> LocalPoolSpec:
     return spec
 
 
+@contextlib.asynccontextmanager
 async def started_pool(spec: LocalPoolSpec, docker_client) -> AsyncIterator[LocalPool]:
     pool = LocalPool(spec)
     STARTED_POOLS.add(spec.name)
@@ -91,7 +92,7 @@ async def started_pool(spec: LocalPoolSpec, docker_client) -> AsyncIterator[Loca
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def pool(docker_client, tmp_path_factory) -> AsyncIterator[LocalPool]:
-    async for p in started_pool(make_spec(tmp_path_factory.mktemp("pool")), docker_client):
+    async with started_pool(make_spec(tmp_path_factory.mktemp("pool")), docker_client) as p:
         yield p
 
 
@@ -112,7 +113,7 @@ async def operator(pool: LocalPool) -> AsyncIterator[Client]:
 async def tls_pool(docker_client, tmp_path_factory) -> AsyncIterator[LocalPool]:
     """A pool whose every service is on HTTPS, with a CA of its own (`pool.ca`)."""
     spec = make_spec(tmp_path_factory.mktemp("tls-pool"), nodes=2, tls=True)
-    async for p in started_pool(spec, docker_client):
+    async with started_pool(spec, docker_client) as p:
         yield p
 
 

@@ -34,7 +34,7 @@ async def pool(docker_client, tmp_path_factory) -> AsyncIterator[LocalPool]:
     # the control plane takes a comma-separated list of client tokens from DSEC_TOKEN
     with pytest.MonkeyPatch.context() as env:
         env.setenv("DSEC_TOKEN", f"{ALICE},{BOB}")
-        async for p in started_pool(spec, docker_client):
+        async with started_pool(spec, docker_client) as p:
             yield p
 
 

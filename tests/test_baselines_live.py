@@ -162,6 +162,6 @@ async def test_policy_on_a_live_pool(policy, docker_client, tmp_path):
         tmp_path, nodes=1, capacity=Capacity(cpus=8, memory_mb=8192, slots=SLOTS),
         pool=params, policy=policy, tick_s=TICK_S,
     )  # fmt: skip
-    async for pool in started_pool(spec, docker_client):
+    async with started_pool(spec, docker_client) as pool:
         async with Client(pool.url, token=pool.tokens.client) as client:
             await scenario(client, pool, docker_client)

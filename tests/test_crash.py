@@ -40,7 +40,7 @@ RESTART_TIMEOUT_S = 60.0
 @pytest_asyncio.fixture(loop_scope="module")
 async def pool(docker_client, tmp_path) -> AsyncIterator[LocalPool]:
     """A pool of its own for each test: each one breaks it."""
-    async for p in started_pool(make_spec(tmp_path, nodes=3), docker_client):
+    async with started_pool(make_spec(tmp_path, nodes=3), docker_client) as p:
         yield p
 
 

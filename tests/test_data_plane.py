@@ -33,7 +33,7 @@ MiB = 1 << 20
 async def pool(docker_client, tmp_path_factory) -> AsyncIterator[LocalPool]:
     spec = make_spec(tmp_path_factory.mktemp("dataplane"), nodes=1)
     spec.execs_per_sandbox = EXECS_PER_SANDBOX
-    async for p in started_pool(spec, docker_client):
+    async with started_pool(spec, docker_client) as p:
         yield p
 
 

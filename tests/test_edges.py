@@ -458,7 +458,7 @@ async def test_each_child_gets_its_own_credentials_and_the_pool_dir_stays_privat
     spec = make_spec(tmp_path, nodes=2, metrics_token=True, pool=PoolParams(min_warm=1))
     pool_dir = loosened(tmp_path / spec.name, directory=True)
     loosened(pool_dir / "env")
-    async for pool in started_pool(spec, docker_client):
+    async with started_pool(spec, docker_client) as pool:
         tokens = pool.tokens
         operators = {tokens.client, tokens.admin}  # what speaks for clients and operators
         controlplane = credentials_of(pool.controlplane.proc.pid)
@@ -696,7 +696,7 @@ async def test_prometheus_scrapes_a_pool_with_a_metrics_token_as_deploy_says(
     docker_client, tmp_path, own_credentials
 ):
     spec = make_spec(tmp_path / "state", nodes=1, metrics_token=True)
-    async for pool in started_pool(spec, docker_client):
+    async with started_pool(spec, docker_client) as pool:
         config = with_metrics_token(prometheus_config(pool.url), pool.metrics_token_file)
         async with prometheus_on(config, tmp_path) as url:
             await eventually(partial(every_target_up, url), "scrapes with the metrics token")

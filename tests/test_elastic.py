@@ -143,7 +143,7 @@ async def test_local_nodes_past_80_percent_overflow_to_a_cloud_node(docker_clien
         pool=PoolParams(min_warm=0, max_warm=0, templates=[]), cloud_nodes=1,
         cloud_boot_delay_s=0.5, cloud_idle_release_s=2,
     )  # fmt: skip
-    async for small in started_pool(spec, docker_client):
+    async with started_pool(spec, docker_client) as small:
         async with Client(small.url, token=small.tokens.client) as c:
             held = await asyncio.gather(*(c.acquire(timeout=60) for _ in range(7)))
             on_cloud = [sb for sb in held if sb.node.startswith(f"{spec.name}-cloud-")]

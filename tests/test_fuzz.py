@@ -84,7 +84,7 @@ async def pool(request, docker_client, tmp_path_factory) -> AsyncIterator[LocalP
         pool=PoolParams(min_warm=2),
         tls=request.param,
     )
-    async for p in started_pool(spec, docker_client):
+    async with started_pool(spec, docker_client) as p:
         yield p
 
 

@@ -41,7 +41,7 @@ MiB = 1 << 20
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def pool(docker_client, tmp_path_factory) -> AsyncIterator[LocalPool]:
     spec = make_spec(tmp_path_factory.mktemp("hostile"), nodes=1)
-    async for p in started_pool(spec, docker_client):
+    async with started_pool(spec, docker_client) as p:
         yield p
 
 

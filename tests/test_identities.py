@@ -424,7 +424,7 @@ async def test_a_live_pool_joins_each_node_with_its_own_token_and_refuses_every_
     docker_client, tmp_path: Path
 ):
     spec = make_spec(tmp_path, nodes=2, pool=PoolParams(min_warm=2))
-    async for pool in started_pool(spec, docker_client):
+    async with started_pool(spec, docker_client) as pool:
         ids = pool.identities
         assert ids is not None
         # every agent joined with its own node token, and holds no join token

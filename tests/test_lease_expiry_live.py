@@ -44,7 +44,7 @@ WORKER = textwrap.dedent(
 async def pool(docker_client, tmp_path_factory) -> AsyncIterator[LocalPool]:
     spec = make_spec(tmp_path_factory.mktemp("expiry"), nodes=1)
     spec.pool = PoolParams(min_warm=0, lease_idle_timeout_s=IDLE_TIMEOUT_S)
-    async for p in started_pool(spec, docker_client):
+    async with started_pool(spec, docker_client) as p:
         yield p
 
 

@@ -195,7 +195,7 @@ async def test_an_acquire_nothing_can_serve_times_out_cleanly(docker_client, tmp
         tmp_path, nodes=1, capacity=Capacity(cpus=4, memory_mb=4096, slots=2),
         pool=PoolParams(min_warm=0),
     )  # fmt: skip
-    async for small in started_pool(spec, docker_client):
+    async with started_pool(spec, docker_client) as small:
         async with Client(small.url, token=small.tokens.client) as c:
             held = [await c.acquire(), await c.acquire()]
             with pytest.raises(DsecError) as e:

@@ -194,7 +194,7 @@ async def pool(docker_client, tmp_path_factory) -> AsyncIterator[LocalPool]:
         capacity=Capacity(cpus=8, memory_mb=8192, slots=4),
         pool=PoolParams(min_warm=2),
     )
-    async for p in started_pool(spec, docker_client):
+    async with started_pool(spec, docker_client) as p:
         yield p
 
 

@@ -70,7 +70,7 @@ async def pool(docker_client, tmp_path_factory):
         capacity=Capacity(cpus=32, memory_mb=65536, slots=1),
         pool=PoolParams(min_warm=0, max_warm=1, warm_fraction=0, recycle=True),
     )
-    async for p in started_pool(spec, docker_client):
+    async with started_pool(spec, docker_client) as p:
         yield p
 
 

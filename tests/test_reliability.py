@@ -128,7 +128,7 @@ async def pool(docker_client, tmp_path) -> AsyncIterator[LocalPool]:
         capacity=Capacity(cpus=8, memory_mb=8192, slots=3),
         pool=PoolParams(min_warm=2, max_warm=4),
     )
-    async for p in started_pool(spec, docker_client):
+    async with started_pool(spec, docker_client) as p:
         yield p
 
 
@@ -308,7 +308,7 @@ async def test_a_node_whose_disk_is_full_leaves_placement_until_it_recovers(
 async def test_a_template_whose_image_no_node_has_is_refused_at_once(docker_client, tmp_path):
     ghost = TemplateSpec(name="ghost", image="dsec-no-such-image:latest")
     spec = make_spec(tmp_path, nodes=2, templates={**default_templates(), "ghost": ghost})
-    async for pool in started_pool(spec, docker_client):
+    async with started_pool(spec, docker_client) as pool:
         async with Client(pool.url, token=pool.tokens.client) as client:
             with pytest.raises(DsecError) as refused:
                 # every node refuses the create: the answer says so long before the timeout

@@ -381,7 +381,7 @@ async def dense_pool(docker_client, tmp_path_factory):
         capacity=Capacity(cpus=SLOTS, memory_mb=SLOTS * 1024, slots=SLOTS),
         pool=PoolParams(min_warm=2, max_warm=8),
     )
-    async for p in started_pool(spec, docker_client):
+    async with started_pool(spec, docker_client) as p:
         yield p
 
 
