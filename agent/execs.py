@@ -296,7 +296,8 @@ class Execs:
                 if attach.tty:
                     with contextlib.suppress(DockerOpError):
                         await proc.resize(attach.rows, attach.cols)
-                on_started and on_started(proc)
+                if on_started is not None:
+                    on_started(proc)
             try:
                 async with asyncio.timeout(req.timeout_s):
                     await pump()
