@@ -138,6 +138,8 @@ class Process:
         return None if msg is None else (msg.stream, msg.data)
 
     async def write(self, data: bytes) -> None:
+        if self._transport() is None:  # the command ended and the engine closed its input
+            raise DockerOpError("exec_stdin", "closed", "the command's input is closed")
         try:
             await self.stream.write_in(data)
         except (aiohttp.ClientError, OSError, RuntimeError) as e:

@@ -168,7 +168,11 @@ class Files:
         raise await self._failed(proc, path, bytes(out))
 
     async def _failed(self, proc: Process, path: str, said: bytes = b"") -> ApiError:
-        code = await proc.exit_code()
+        try:
+            code = await proc.exit_code()
+        except DockerOpError as e:  # its sandbox went meanwhile (released), or Docker erred
+            self.agent.docker_failed(e)
+            return ApiError(502, f"docker_{e.kind}", f"{path}: {e}")
         status, error, what = FAILURES.get(
             code or 0, (502, "file_operation_failed", f"failed ({code}): {said[:200]!r}")
         )
