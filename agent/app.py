@@ -19,10 +19,11 @@ from pydantic import ValidationError
 
 from agent import runtime
 from agent.audit import AuditRecords, RefusalRecord
-from agent.docker_driver import DockerOpError, Process
+from agent.docker_driver import DockerOpError
 from agent.files import checked_path
 from agent.node import Agent
 from agent.report import node_report, sandbox_report
+from agent.resident import RunningCommand
 from agent.sandboxes import Sandbox
 from dsec.httpkit import (
     Api,
@@ -163,7 +164,7 @@ async def exec_stream(request: web.Request) -> web.StreamResponse:
     async def send_output(stream: int, data: bytes) -> None:
         await ws.send_bytes(bytes([stream]) + data)
 
-    async def take_input(proc: Process, stdin: bool) -> None:
+    async def take_input(proc: RunningCommand, stdin: bool) -> None:
         async for msg in ws:
             if ended.is_set():
                 if msg.type == WSMsgType.BINARY:
@@ -187,7 +188,7 @@ async def exec_stream(request: web.Request) -> web.StreamResponse:
                 422, "validation_error", "the command is invalid", validation_details(e)
             ) from e
 
-        def started(proc: Process) -> None:
+        def started(proc: RunningCommand) -> None:
             inputs.append(asyncio.create_task(take_input(proc, req.stdin)))
 
         result = await agent.execs.stream(
@@ -211,7 +212,7 @@ async def exec_stream(request: web.Request) -> web.StreamResponse:
     return ws
 
 
-async def _control(ws: web.WebSocketResponse, proc: Process, text: str) -> None:
+async def _control(ws: web.WebSocketResponse, proc: RunningCommand, text: str) -> None:
     """A text message during a command: end of stdin, or a terminal's new size."""
     try:
         message = json.loads(text)

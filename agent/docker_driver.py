@@ -15,6 +15,7 @@ import contextlib
 import os
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TypeVar
 
 import aiodocker
@@ -36,6 +37,7 @@ RUNC_STOPPED = b"cannot exec in a stopped state"  # runc's answer to an exec in 
 LOG_MAX_SIZE = "1m"
 LIFECYCLE_SLOTS = 8  # lifecycle calls given to the engine at once; the rest wait their turn
 ENGINE_UNREACHABLE = 900  # aiodocker's status for a connection that failed
+RESIDENT_MOUNT = "/.dsec"  # where a sandbox sees its command loop's directory
 
 LABEL_NODE = "dsec.node"
 LABEL_POOL = "dsec.pool"
@@ -71,8 +73,11 @@ def _error_kind(op: str, e: DockerError) -> str:
     return "api_error"
 
 
-def container_config(spec: TemplateSpec, labels: dict[str, str]) -> dict[str, Any]:
-    """The Engine API's create body for a sandbox, hardened as its template says."""
+def container_config(
+    spec: TemplateSpec, labels: dict[str, str], resident_dir: Path | None = None
+) -> dict[str, Any]:
+    """The Engine API's create body for a sandbox, hardened as its template says;
+    `resident_dir` is mounted read-only for its command loop (agent/resident.py)."""
     # The limit makes room for both file systems on top of memory_mb, so filling the
     # work dir fails with ENOSPC at workdir_mb instead of OOM-killing every process in
     # the sandbox, and memory_mb stays what the processes get.
@@ -99,6 +104,7 @@ def container_config(spec: TemplateSpec, labels: dict[str, str]) -> dict[str, An
             "MemorySwap": ram_limit,  # no swap
             "PidsLimit": spec.pids_limit,
             "Ulimits": [{"Name": "nofile", "Soft": spec.nofile_limit, "Hard": spec.nofile_limit}],
+            "Binds": [f"{resident_dir}:{RESIDENT_MOUNT}:ro"] if resident_dir else [],
             "CapDrop": ["ALL"],
             "SecurityOpt": ["no-new-privileges"],
             "Init": True,
@@ -222,12 +228,18 @@ class AsyncDocker:
         return self.api.containers.container(container_id)
 
     async def create(
-        self, name: str, spec: TemplateSpec, labels: dict[str, str], work: Work
+        self,
+        name: str,
+        spec: TemplateSpec,
+        labels: dict[str, str],
+        work: Work,
+        resident_dir: Path | None = None,
     ) -> str:
         """Create and start a sandbox container."""
+        config = container_config(spec, labels, resident_dir)
 
         async def create_and_start() -> str:
-            container = await self.api.containers.create(container_config(spec, labels), name=name)
+            container = await self.api.containers.create(config, name=name)
             try:
                 await container.start()
             except DockerError as e:
@@ -330,6 +342,17 @@ class AsyncDocker:
             return Process(self, exec_, stream, tty)
 
         return await self.call("exec_start", create_and_attach, work)
+
+    async def start_detached(
+        self, container_id: str, cmd: list[str], *, user: str, work: Work
+    ) -> None:
+        """Start `cmd` in the container and leave it running there."""
+
+        async def create_and_start() -> None:
+            exec_ = await self._container(container_id).exec(cmd, user=user)
+            await exec_.start(detach=True)
+
+        await self.call("exec_detached", create_and_start, work)
 
     async def run(
         self,

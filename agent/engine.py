@@ -3,8 +3,9 @@
 An engine serialises much of what it is asked (20 concurrent creates took 2.8 s in
 all here), so what it does first decides who waits. `EngineQueue` admits operations
 by `Work` class, most urgent first: what a client waits on now, then creates a
-request waits for, then warm-pool creates, then freezing, and last the removal of
-containers already stopped, when nothing else waits. Creates are also bounded by
+request waits for, then warm-pool creates, then freezing, then starting sandboxes'
+command loops, and last the removal of containers already stopped, when nothing else
+waits. Creates are also bounded by
 `CreateLimit`, which measures the concurrency past which creates only get slower;
 the agent reports it, and the control plane places no more refills on a node than
 that. The simulator runs the same queue (`bench.sim.agents`).
@@ -27,7 +28,10 @@ class Work(IntEnum):
     CREATE_FOR_REQUEST = 2  # an acquire waits for it
     CREATE_WARM = 3  # the warm pool refills or scales up: nobody waits yet
     FREEZE = 4  # pause, hibernate
-    REMOVE = 5  # remove a container already stopped: only when nothing else waits
+    # start a sandbox's command loop (agent/resident.py): it saves later execs, never
+    # delays a sandbox, so only when nothing more urgent waits
+    RESIDENT = 5
+    REMOVE = 6  # remove a container already stopped: only when nothing else waits
 
 
 CREATES = (Work.CREATE_FOR_REQUEST, Work.CREATE_WARM)
@@ -124,6 +128,8 @@ class EngineQueue:
             return False
         if work in CREATES:
             return self.creating() < self.creates.limit
+        if work == Work.RESIDENT:
+            return not any(self.waiting[w] for w in Work if w < Work.RESIDENT)
         if work == Work.REMOVE:
             quiet = not self.creating() and not any(
                 self.waiting[w] for w in Work if w != Work.REMOVE

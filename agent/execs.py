@@ -26,8 +26,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from agent.audit import AuditRecord, quoted_cmd
-from agent.docker_driver import RUNC_STOPPED, STDOUT, TIMEOUT_EXIT_CODE, DockerOpError, Process
+from agent.docker_driver import RUNC_STOPPED, STDOUT, TIMEOUT_EXIT_CODE, DockerOpError
 from agent.engine import Work
+from agent.resident import RunningCommand
 from agent.sandboxes import Sandbox
 from dsec.httpkit import ApiError, CredentialRefused
 from dsec.models import ExecExit, ExecRequest, ExecResult, ExecStreamRequest
@@ -189,7 +190,7 @@ class Execs:
         req: ExecStreamRequest,
         peer: str | None,
         sink: Sink,
-        on_started: Callable[[Process], None],
+        on_started: Callable[[RunningCommand], None],
     ) -> ExecExit:
         """Run a command, giving each chunk of its output to `sink` as it comes;
         `on_started` gets the running process (for stdin and resizing)."""
@@ -210,7 +211,7 @@ class Execs:
         req: ExecRequest,
         peer: str | None,
         sink: Sink,
-        on_started: Callable[[Process], None] | None = None,
+        on_started: Callable[[RunningCommand], None] | None = None,
         attach: ExecStreamRequest | None = None,
     ) -> Outcome:
         agent = self.agent
@@ -255,23 +256,30 @@ class Execs:
         sandbox: Sandbox,
         req: ExecRequest,
         sink: Sink,
-        on_started: Callable[[Process], None] | None,
+        on_started: Callable[[RunningCommand], None] | None,
         attach: ExecStreamRequest | None,
     ) -> Outcome:
         agent, cid = self.agent, sandbox.record.container_id
         marker = secrets.token_hex(16)
-        try:
-            proc = await agent.docker.start(
-                cid,
-                req.cmd,
-                env={**req.env, **_terminal_env(attach), MARKER_ENV: marker},
-                workdir=req.workdir,
-                # a terminal is the command's stdin too, even when no input is sent
-                stdin=attach is not None and (attach.stdin or attach.tty),
-                tty=attach is not None and attach.tty,
-            )
-        except DockerOpError as e:
-            raise await self._failure(sandbox, e) from e
+        env = {**req.env, **_terminal_env(attach), MARKER_ENV: marker}
+        # a terminal is the command's stdin too, even when no input is sent
+        stdin = attach is not None and (attach.stdin or attach.tty)
+        proc: RunningCommand | None = None
+        if not stdin:  # the resident loop gives no stdin and no terminal
+            workdir = req.workdir or sandbox.spec.workdir
+            proc = await agent.resident.start(sandbox, req.cmd, env, workdir)
+        if proc is None:
+            try:
+                proc = await agent.docker.start(
+                    cid,
+                    req.cmd,
+                    env=env,
+                    workdir=req.workdir,
+                    stdin=stdin,
+                    tty=attach is not None and attach.tty,
+                )
+            except DockerOpError as e:
+                raise await self._failure(sandbox, e) from e
         started = agent.clock.now()  # the deadline counts from here
         sent = {1: 0, 2: 0}
         first: list[bytes] = []  # the start of stdout, to tell runc's own error apart
@@ -326,7 +334,7 @@ class Execs:
             sent=sent,
         )
 
-    async def _exit_code(self, proc: Process) -> int:
+    async def _exit_code(self, proc: RunningCommand) -> int:
         for _ in range(EXIT_CODE_TRIES):
             try:
                 code = await proc.exit_code()

@@ -32,6 +32,7 @@ from agent.execs import Execs
 from agent.files import Files
 from agent.metrics import AgentMetrics
 from agent.reset import leftovers, main_of, reset_dirs, reset_script, split_reset_output
+from agent.resident import Resident
 from agent.sandboxes import Sandbox
 from agent.store import SandboxRecord, SandboxStore
 from dsec.clock import Clock
@@ -102,6 +103,7 @@ class Agent:
         self.operations: set[asyncio.Task] = set()  # see to_completion()
         self.execs = Execs(self)
         self.files = Files(self)
+        self.resident = Resident(self)
 
     async def to_completion(self, op: Coroutine[Any, Any, T]) -> T:
         """Run a control plane's request to its end even if the caller hangs up (a control
@@ -186,15 +188,18 @@ class Agent:
         sandbox = Sandbox(record, req.template, SandboxState.CREATING, self.clock.now())
         self.sandboxes[req.sandbox_id] = sandbox  # holds the slot while Docker works
         try:
+            resident_dir = self.resident.prepare(req.sandbox_id)  # a few small local writes
             record.container_id = await self.docker.create(
                 f"dsec-{req.sandbox_id}",
                 req.template,
                 self.labels_for(req.sandbox_id, req.pool, req.template.name),
                 work,
+                resident_dir,
             )
             await self.store.put(record)
         except DockerOpError as e:
             self.sandboxes.pop(req.sandbox_id, None)
+            self.resident.remove(req.sandbox_id)
             self.docker_failed(e)
             if record.container_id:
                 with contextlib.suppress(DockerOpError):
@@ -206,6 +211,7 @@ class Agent:
             raise ApiError(status, f"docker_{e.kind}", str(e)) from e
         sandbox.move(SandboxState.WARM)
         sandbox.last_active = self.clock.now()
+        self.resident.ensure_loop(sandbox)
         return sandbox, True
 
     def get(self, sandbox_id: str) -> Sandbox:
@@ -303,6 +309,7 @@ class Agent:
                 spec_from_snapshot,
                 self.labels_for(record.id, record.pool, spec.name),
                 Work.CLIENT,  # a lease waits for this restore
+                self.resident.prepare(record.id),
             )
             await self.docker.restore_dir(record.container_id, spec.workdir, archive)
         except DockerOpError as e:
@@ -314,6 +321,8 @@ class Agent:
             raise ApiError(502, f"docker_{e.kind}", str(e)) from e
         await asyncio.to_thread(Path(record.archive_path).unlink, True)
         record.archive_path = None  # the image stays until the sandbox is destroyed
+        sandbox.resident_tried_at = None  # a new container: its loop is not there yet
+        self.resident.ensure_loop(sandbox)
 
     async def unpause(self, sandbox_id: str) -> Sandbox:
         sandbox = self.get(sandbox_id)
@@ -354,6 +363,7 @@ class Agent:
                     else self.docker.kill(record.container_id)
                 )
                 await self.docker_or_502(stop)
+                self.resident.abort_all(sandbox_id)  # their processes went with the rest
             await self.store.delete(sandbox_id)
             self.sandboxes.pop(sandbox_id, None)
             self.released.add(sandbox_id, ended)
@@ -376,6 +386,7 @@ class Agent:
                 log.warning("removing what %s left failed: %s", record.id, e)
             if record.archive_path:
                 await asyncio.to_thread(Path(record.archive_path).unlink, True)
+            await asyncio.to_thread(self.resident.remove, record.id)
 
         task = asyncio.ensure_future(remove())
         self.operations.add(task)
@@ -417,6 +428,7 @@ class Agent:
                 await self.store.put(record)
                 sandbox.move(SandboxState.WARM)
                 sandbox.reset_from = req.lease_id
+                sandbox.resident_tried_at = started  # the reset started its loop again
                 sandbox.last_active = self.clock.now()
                 log.debug("reset %s in %.0f ms", sandbox_id, (sandbox.last_active - started) * 1e3)
                 return sandbox
@@ -431,6 +443,7 @@ class Agent:
         dirs = reset_dirs(spec.workdir)
         for _ in range(RESET_ROUNDS):
             out = await self._reset_run(cid, reset_script(dirs), spec)
+            self.resident.abort_all(sandbox.id)  # the reset killed their processes
             # with no command of the ended lease under way, nothing can have started after
             # the check at the script's end: what it saw is what is left
             if not sandbox.running_execs:

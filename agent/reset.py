@@ -29,6 +29,8 @@ from __future__ import annotations
 import shlex
 from collections.abc import Iterable
 
+from agent.docker_driver import RESIDENT_MOUNT
+
 # The fields of /proc/PID/stat after "comm)": comm itself may hold spaces, parentheses
 # or a newline, so the fields are read after the LAST ") " (and a line cut short by a
 # newline in comm has too few fields and is skipped).
@@ -108,8 +110,15 @@ for t in shm sem msg; do
   [ -r "$f" ] || continue
   { read -r _; while read -r _ id _; do echo "ipc $t $id"; done; } < "$f"
 done
-echo checked
+@AFTER@echo checked
 """
+# The sandbox's resident command loop (agent/resident.py) was killed with the rest: it
+# starts again here, once the check has looked, so the next lease's commands need no
+# engine exec to start it. Orphaned at once, it outlives this command.
+START_LOOP = (
+    f"[ -r {RESIDENT_MOUNT}/serve ] && "
+    f"(setsid sh {RESIDENT_MOUNT}/serve </dev/null >/dev/null 2>&1 &)\n"
+)
 
 
 def reset_dirs(workdir: str) -> list[str]:
@@ -128,18 +137,20 @@ def kill_and_empty_script(dirs: Iterable[str]) -> str:
     return _FIND_MAIN + _KILL_ALL_BUT_MAIN + _EMPTY.replace("@DIRS@", _words(dirs))
 
 
-def verify_script(dirs: Iterable[str]) -> str:
-    """Prints what is left ("process PID", "file PATH", "ipc KIND ID"), then "checked"."""
+def verify_script(dirs: Iterable[str], after: str = "") -> str:
+    """Prints what is left ("process PID", "file PATH", "ipc KIND ID"), runs `after`,
+    then prints "checked"."""
     stat = _STAT_FIELDS.replace("\n", "\n  ")
-    return _VERIFY.replace("@STAT@", stat).replace("@DIRS@", _words(dirs))
+    return _VERIFY.replace("@STAT@", stat).replace("@DIRS@", _words(dirs)).replace("@AFTER@", after)
 
 
 def reset_script(dirs: Iterable[str]) -> str:
-    """Kill, empty, then check, in one command (one exec: the engine's costliest call
-    here): what `kill_and_empty_script` prints up to "emptied", then what
-    `verify_script` prints (`split_reset_output` takes them apart)."""
+    """Kill, empty, check, then start the command loop again, in one command (one exec:
+    the engine's costliest call here): what `kill_and_empty_script` prints up to
+    "emptied", then what `verify_script` prints (`split_reset_output` takes them
+    apart)."""
     dirs = list(dirs)
-    return kill_and_empty_script(dirs) + verify_script(dirs)
+    return kill_and_empty_script(dirs) + verify_script(dirs, START_LOOP)
 
 
 def split_reset_output(output: str) -> tuple[str, str]:

@@ -53,6 +53,7 @@ async def adopt(agent: Agent) -> None:
             agent.sandboxes[record.id] = sandbox
             continue
         await agent.store.delete(record.id)  # recorded, but its container is gone
+    agent.resident.remove_all_but(set(agent.sandboxes))
 
 
 async def watch_engine_forever(agent: Agent) -> None:

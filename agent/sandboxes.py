@@ -21,6 +21,7 @@ class Sandbox:
     running_execs: int = 0
     frozen_at: float | None = None  # set when paused, kept through hibernation
     reset_from: str | None = None  # the lease its last reset ended (a retry finds it done)
+    resident_tried_at: float | None = None  # its command loop last started (agent/resident.py)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     @property

@@ -67,6 +67,8 @@ M = TypeVar("M", bound=BaseModel)
 
 # A transfer may take as long as it needs, but not sit this long without a byte moving.
 TRANSFER_IDLE_TIMEOUT_S = 120.0
+# waits before asking an agent again that answered 503 not_joined (about 10 s in all)
+NOT_JOINED_RETRIES_S = (0.1, 0.2, 0.4, 0.8, 1.5, 3.0, 4.0)
 TRANSFER_CHUNK_BYTES = 1 << 16
 # The first byte of a streaming exec's binary message says whose output the rest is.
 STREAM_OF_TAG: dict[int, Literal["stdout", "stderr"]] = {1: "stdout", 2: "stderr"}
@@ -619,15 +621,24 @@ class Client:
         if body is not None:
             data = body.model_dump_json(exclude_none=True)
             headers["Content-Type"] = "application/json"
-        async with self._request(
-            method,
-            url,
-            token=token,
-            data=data,
-            headers=headers,
-            timeout=aiohttp.ClientTimeout(total=timeout),
-        ) as resp:
-            return answer.model_validate_json(await resp.read())
+        for wait_s in (*NOT_JOINED_RETRIES_S, None):
+            try:
+                async with self._request(
+                    method,
+                    url,
+                    token=token,
+                    data=data,
+                    headers=headers,
+                    timeout=aiohttp.ClientTimeout(total=timeout),
+                ) as resp:
+                    return answer.model_validate_json(await resp.read())
+            except DsecError as e:
+                # an agent that has just (re)started and not yet joined its control plane:
+                # nothing ran, so asking again a moment later is safe
+                if e.code != "not_joined" or wait_s is None:
+                    raise
+                await asyncio.sleep(wait_s)
+        raise AssertionError("unreachable")  # the last try returns or raises
 
     async def acquire(
         self,

@@ -78,12 +78,24 @@ def loosened(path: Path, directory: bool = False) -> Path:
     return path
 
 
+def private_mode(p: Path) -> int:
+    """What `p` must be: 0700 for a directory, 0600 for a file. Except in a sandbox's
+    resident-loop directory (agent/resident.py), which the sandbox mounts read-only and
+    its user must read: 0755, its files 0644, its pipes 0666. The host reaches it only
+    through the 0700 `<node>-resident` directory above it."""
+    if p.parent.parent.name.endswith("-resident"):
+        return 0o666 if p.is_fifo() else 0o644
+    if p.parent.name.endswith("-resident"):
+        return 0o755
+    return 0o700 if p.is_dir() else 0o600
+
+
 def assert_private(root: Path) -> None:
-    """`root` and every directory under it 0700, every file 0600."""
+    """`root` and everything under it as `private_mode` says, and the agent's own."""
     wrong = [
-        f"{p} {oct(mode(p))}"
+        f"{p} {oct(mode(p))} uid {p.lstat().st_uid}"
         for p in [root, *root.rglob("*")]
-        if mode(p) != (0o700 if p.is_dir() else 0o600)
+        if mode(p) != private_mode(p) or p.lstat().st_uid != os.getuid()
     ]
     assert not wrong, wrong
 

@@ -36,6 +36,7 @@ def test_waiting_work_starts_most_urgent_first_whatever_its_arrival():
         await asyncio.sleep(0.1)
         arrivals = [
             (Work.REMOVE, "remove"),
+            (Work.RESIDENT, "loop"),
             (Work.FREEZE, "pause"),
             (Work.CREATE_WARM, "warm"),
             (Work.CREATE_FOR_REQUEST, "request"),
@@ -45,7 +46,27 @@ def test_waiting_work_starts_most_urgent_first_whatever_its_arrival():
         await asyncio.gather(blocker, *jobs)
         return [name for name, _ in started]
 
-    assert run(scenario) == ["running", "thaw", "request", "warm", "pause", "remove"]
+    assert run(scenario) == ["running", "thaw", "request", "warm", "pause", "loop", "remove"]
+
+
+def test_a_command_loop_starts_only_when_no_create_waits():
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        queue = EngineQueue(4, fixed(1), loop.time)  # slots to spare, one create at a time
+        started: list = []
+        creates = [
+            asyncio.ensure_future(job(queue, Work.CREATE_FOR_REQUEST, f"create{i}", started, 0.1))
+            for i in range(3)
+        ]
+        await asyncio.sleep(0.01)
+        loop_start = asyncio.ensure_future(job(queue, Work.RESIDENT, "loop", started))
+        pause = asyncio.ensure_future(job(queue, Work.FREEZE, "pause", started))
+        await asyncio.gather(*creates, loop_start, pause)
+        return [name for name, _ in started]
+
+    # a pause takes a spare slot beside the create; the loop waits for the last create
+    # to have started (none waits any more)
+    assert run(scenario) == ["create0", "pause", "create1", "create2", "loop"]
 
 
 def test_a_clients_work_never_waits_for_a_slot():

@@ -93,8 +93,15 @@ async def test_a_sandbox_runs_with_every_limit_of_its_template(client, docker_cl
         assert host["SecurityOpt"] == ["no-new-privileges"]
         assert host["ReadonlyRootfs"] and not host["Privileged"]
         assert host["NetworkMode"] == "none"
-        for shared in ("Binds", "Mounts", "VolumesFrom", "Devices"):
+        for shared in ("VolumesFrom", "Devices"):
             assert not host.get(shared), (shared, host.get(shared))  # nothing of the host
+        # of the host, only the agent's own directory for the sandbox's command loop
+        # (agent/resident.py), read-only
+        (bind,) = host["Binds"]
+        assert bind.endswith(f"-resident/{sb.id}:/.dsec:ro"), bind
+        assert not host.get("Mounts"), host.get("Mounts")
+        mounts = container_of(docker_client, sb.id).attrs["Mounts"]
+        assert [(m["Destination"], m["RW"]) for m in mounts] == [("/.dsec", False)], mounts
         assert f"size={BASE.workdir_mb}m" in host["Tmpfs"][BASE.workdir]
     await assert_responsive(neighbour)
 

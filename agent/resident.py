@@ -1,0 +1,332 @@
+"""Commands started by a resident loop inside the sandbox, without an engine exec.
+
+An engine exec costs the engine about 40 ms of its own work (dockerd, containerd and a
+runc process per command), and the engine does that work for every sandbox of the node
+in turn: under load a `true` waits seconds. A shell loop already running in the
+sandbox starts a command with one fork. The agent hands it commands through named
+pipes in a directory of its own per sandbox, bind-mounted read-only at `/.dsec`:
+
+- `serve`, the loop (SERVE_SCRIPT), started by one detached engine exec once the
+  sandbox exists (when no more urgent work waits for the engine: `Work.RESIDENT`), as
+  the template's user, and by a reset, which kills it with the rest;
+- `ctl`, a pipe the loop reads command ids from;
+- per command `ID.cmd` (the script: workdir, environment, argv), and pipes `ID.out`,
+  `ID.err` and `ID.rc` (its exit code, written when it ends).
+
+The mount is read-only, so nothing in the sandbox can create, replace or remove an
+entry there (no symlink for the agent to follow, no file to fill the host's disk);
+pipes can still be opened for writing on a read-only mount. What a tenant can do is
+write into its own commands' pipes, which fools no one but itself. The loop runs each
+command in its own session with the command's marker in its environment, so a timeout
+kills it as it kills an engine exec's (agent/execs.py). Pipes are unlinked before they
+are closed: a command that starts after its caller gave up finds no pipe to block on.
+
+Commands with stdin or a terminal, and sandboxes whose loop is not there (an image
+without `sh`, a tenant that killed it, a sandbox just made), take the engine's exec;
+the loop is started again, at most every RESTART_AFTER_S.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import logging
+import os
+import secrets
+import shlex
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from agent.docker_driver import RESIDENT_MOUNT as MOUNT
+from agent.docker_driver import STDERR, STDOUT, DockerOpError, Process
+from agent.engine import Work
+
+if TYPE_CHECKING:
+    from agent.node import Agent
+    from agent.sandboxes import Sandbox
+
+log = logging.getLogger(__name__)
+RESTART_AFTER_S = 10.0  # a loop that is not there is started again at most this often
+CHUNK = 1 << 16
+# Output chunks read ahead of the consumer: more wait in the pipe, so a slow client
+# slows its own command and holds no memory of the agent's.
+CHUNKS_AHEAD = 4
+RC_LINE_MAX = 64  # a status line's bytes read; the shell writes a few
+STARTED = b"started"
+KILLED_EXIT_CODE = 137  # a command whose waiting copy of the loop was killed: as SIGKILL's
+
+# Reads ids from ctl; for each, a copy of the loop opens ID.rc, says "started" there,
+# runs ID.cmd in a session of its own with its output on ID.out and ID.err, and writes
+# its exit code to ID.rc. The copy holds ID.rc open until it ends, so the agent sees its
+# end even when something kills it before it could write the code. It is orphaned at
+# once, so the sandbox's init reaps it, not the loop (which would leave zombies, counted
+# against the pids limit, until its next command). fd 3 (ctl) is closed in commands: a
+# command left running must not keep ctl open after the loop has gone.
+SERVE_SCRIPT = f"""\
+exec 3<>{MOUNT}/ctl
+while read -r id <&3; do
+  case $id in ''|*[!0-9a-f]*) continue ;; esac
+  ( (exec 4>"{MOUNT}/$id.rc"; echo started >&4
+     setsid sh "{MOUNT}/$id.cmd" </dev/null >"{MOUNT}/$id.out" 2>"{MOUNT}/$id.err" 4>&-
+     echo $? >&4) & ) 3<&-
+done
+"""
+
+
+def command_script(argv: list[str], env: dict[str, str], workdir: str) -> str:
+    """What the loop runs for one command: as an engine exec would, 126 when it cannot
+    start (no such directory, no such program), else the program's own exit code."""
+    q = shlex.quote
+    lines = [
+        f"cd -- {q(workdir)} 2>/dev/null || "
+        f"{{ echo {q(f'dsec: chdir to {workdir} failed: no such directory')} >&2; exit 126; }}",
+        *(f"export {name}={q(value)}" for name, value in env.items()),
+        f"command -v -- {q(argv[0])} >/dev/null 2>&1 || "
+        f"{{ echo {q(f'dsec: exec: {argv[0]}: executable file not found in $PATH')} >&2; "
+        "exit 126; }",
+        "exec " + " ".join(q(a) for a in argv),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _open_fifo(dir_fd: int, name: str, flags: int) -> int:
+    return os.open(name, flags | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+
+
+class ResidentProcess:
+    """A command the loop runs: the same calls as an engine exec's `Process`, without
+    stdin or a terminal."""
+
+    tty = False
+
+    def __init__(self, dir_fd: int, command_id: str) -> None:
+        self.dir_fd, self.id = dir_fd, command_id
+        self.names = [f"{command_id}.{part}" for part in ("cmd", "out", "err", "rc")]
+        self.chunks: asyncio.Queue[tuple[int, bytes] | None] = asyncio.Queue(CHUNKS_AHEAD)
+        self.code: int | None = None
+        self.fds: list[int] = []  # opened here, closed by close() unless handed to a transport
+        self.transports: list[asyncio.ReadTransport] = []
+        self.holders: dict[str, int] = {}  # our write ends, held until the loop's copy has its own
+        self.tasks: list[asyncio.Task] = []
+        self.on_close: Callable[[], None] | None = None
+
+    async def open(self, script: str) -> None:
+        """Make the pipes and the script, and open our ends: read ends, each with a write
+        end held, so that no end is seen before the loop's copy has opened the pipes."""
+        d = self.dir_fd
+        cmd, out, err, rc = self.names
+        fd = os.open(cmd, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644, dir_fd=d)
+        try:
+            os.write(fd, script.encode())
+        finally:
+            os.close(fd)
+        for name in (out, err, rc):
+            os.mkfifo(name, 0o600, dir_fd=d)
+            os.chmod(name, 0o666, dir_fd=d)  # the sandbox's user writes them
+        loop = asyncio.get_running_loop()
+        readers = []
+        for name in (out, err, rc):
+            self.fds.append(_open_fifo(d, name, os.O_RDONLY))
+            reader = asyncio.StreamReader(limit=CHUNK)
+            transport, _ = await loop.connect_read_pipe(
+                lambda r=reader: asyncio.StreamReaderProtocol(r),
+                os.fdopen(self.fds.pop(), "rb", buffering=0),
+            )
+            self.transports.append(transport)
+            readers.append(reader)
+        self.holders = {name: _open_fifo(d, name, os.O_WRONLY) for name in (out, err, rc)}
+        self.tasks = [
+            asyncio.create_task(self._pump(readers[0], readers[1])),
+            asyncio.create_task(self._status(readers[2])),
+        ]
+
+    async def _pump(self, out: asyncio.StreamReader, err: asyncio.StreamReader) -> None:
+        async def one(reader: asyncio.StreamReader, stream: int) -> None:
+            while data := await reader.read(CHUNK):
+                await self.chunks.put((stream, data))
+
+        await asyncio.gather(one(out, STDOUT), one(err, STDERR))
+        await self.chunks.put(None)
+
+    async def _status(self, rc: asyncio.StreamReader) -> None:
+        """ "started" once the loop's copy holds ID.rc (our own write end goes: its end is
+        now the copy's end), then the exit code. An end before the code: the copy was
+        killed, so was its command (a reset, the container's end, or the tenant)."""
+        try:
+            if (await rc.readuntil(b"\n"))[:-1] == STARTED:
+                self._release(self.names[3])
+            self.code = int((await rc.readuntil(b"\n"))[:RC_LINE_MAX])
+        except asyncio.IncompleteReadError:
+            self.code = KILLED_EXIT_CODE  # the copy ended with no code: killed, as its command
+        except (ValueError, asyncio.LimitOverrunError):
+            self.code = 255  # not a code: the tenant wrote there, fooling only itself
+        # the command has ended: its output ends when whatever it left running lets go
+        self.abort()
+
+    def _release(self, *names: str) -> None:
+        for name in names or list(self.holders):
+            fd = self.holders.pop(name, None)
+            if fd is not None:
+                os.close(fd)
+
+    def abort(self) -> None:
+        """Its processes are gone (killed by a reset, or with their container): the
+        exit code, if none came, is SIGKILL's, and the output ends with what was written."""
+        if self.code is None:
+            self.code = KILLED_EXIT_CODE
+        self._release()
+
+    async def read(self) -> tuple[int, bytes] | None:
+        return await self.chunks.get()
+
+    async def write(self, data: bytes) -> None:
+        raise DockerOpError("exec_stdin", "closed", "this command was started without stdin")
+
+    def close_stdin(self) -> None:
+        """It has none: its stdin is /dev/null."""
+
+    async def resize(self, rows: int, cols: int) -> None:
+        """It has no terminal."""
+
+    async def exit_code(self) -> int | None:
+        return self.code
+
+    async def close(self) -> None:
+        """Stop reading and remove its files; it owns `dir_fd` and closes it last."""
+        if self.on_close is not None:
+            self.on_close()
+        for name in self.names:  # first: a late start finds nothing to block on
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(name, dir_fd=self.dir_fd)
+        for task in self.tasks:
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        self._release()
+        for transport in self.transports:
+            transport.close()
+        for fd in self.fds:
+            os.close(fd)
+        self.fds = []
+        os.close(self.dir_fd)
+
+
+# a command under way, however it was started
+RunningCommand = Process | ResidentProcess
+
+
+class Resident:
+    """The node's resident loops: their directories, starting them, and starting
+    commands through them."""
+
+    def __init__(self, agent: Agent) -> None:
+        self.agent = agent
+        self.root = agent.config.state_dir / f"{agent.config.node_id}-resident"
+        self.starting: set[str] = set()  # sandboxes whose loop start waits for the engine
+        self.running: dict[str, set[ResidentProcess]] = {}  # commands under way, by sandbox
+
+    def dir_of(self, sandbox_id: str) -> Path:
+        return self.root / sandbox_id
+
+    def prepare(self, sandbox_id: str) -> Path:
+        """The directory a new container mounts: the loop's script and its ctl pipe."""
+        self.root.mkdir(mode=0o700, exist_ok=True)
+        path = self.dir_of(sandbox_id)
+        path.mkdir(mode=0o755, exist_ok=True)
+        path.chmod(0o755)  # the sandbox's user reads it; only the agent writes
+        (path / "serve").write_text(SERVE_SCRIPT)
+        (path / "serve").chmod(0o644)
+        ctl = path / "ctl"
+        if not ctl.is_fifo():
+            ctl.unlink(missing_ok=True)
+            os.mkfifo(ctl, 0o600)
+        ctl.chmod(0o666)
+        return path
+
+    def abort_all(self, sandbox_id: str) -> None:
+        """The sandbox's processes were all killed (a reset, a release): its commands
+        end, also those the loop had not yet started (it died before reading them)."""
+        for proc in self.running.get(sandbox_id, ()):
+            proc.abort()
+
+    def remove(self, sandbox_id: str) -> None:
+        shutil.rmtree(self.dir_of(sandbox_id), ignore_errors=True)
+
+    def remove_all_but(self, keep: set[str]) -> None:
+        """Directories of sandboxes this node no longer has (an agent that stopped before
+        removing them)."""
+        if self.root.is_dir():
+            for path in self.root.iterdir():
+                if path.name not in keep:
+                    shutil.rmtree(path, ignore_errors=True)
+
+    def ensure_loop(self, sandbox: Sandbox) -> None:
+        """Start the sandbox's loop in the background, unless a start waits for the
+        engine already or one ended less than RESTART_AFTER_S ago."""
+        agent = self.agent
+        tried = sandbox.resident_tried_at
+        if sandbox.id in self.starting or (
+            tried is not None and agent.clock.now() - tried < RESTART_AFTER_S
+        ):
+            return
+        self.starting.add(sandbox.id)
+        container_id = sandbox.record.container_id
+
+        async def start() -> None:
+            try:
+                await agent.docker.start_detached(
+                    container_id,
+                    ["sh", f"{MOUNT}/serve"],
+                    user=sandbox.spec.user,
+                    work=Work.RESIDENT,
+                )
+            except DockerOpError as e:  # paused, gone, or no sh: commands take the engine's exec
+                agent.docker_failed(e)
+            finally:
+                self.starting.discard(sandbox.id)
+                sandbox.resident_tried_at = agent.clock.now()
+
+        task = asyncio.ensure_future(start())
+        agent.operations.add(task)
+        task.add_done_callback(agent.operations.discard)
+
+    async def start(
+        self, sandbox: Sandbox, argv: list[str], env: dict[str, str], workdir: str
+    ) -> ResidentProcess | None:
+        """Start a command through the sandbox's loop; None when the loop is not there
+        (the caller takes the engine's exec, and the loop is started again)."""
+        try:
+            dir_fd = os.open(self.dir_of(sandbox.id), os.O_RDONLY | os.O_DIRECTORY)
+        except FileNotFoundError:
+            return None  # a container made before loops existed
+        command_id = secrets.token_hex(8)
+        proc = ResidentProcess(dir_fd, command_id)
+        try:
+            await proc.open(command_script(argv, env, workdir))
+            ctl = _open_fifo(dir_fd, "ctl", os.O_WRONLY)
+            try:
+                os.write(ctl, f"{command_id}\n".encode())
+            finally:
+                os.close(ctl)
+        except OSError as e:
+            await proc.close()
+            # ENXIO: nothing reads ctl; EAGAIN: ctl is full (a tenant flooded it)
+            if e.errno in (errno.ENXIO, errno.EAGAIN, errno.EPIPE):
+                self.ensure_loop(sandbox)
+            else:  # the host's side (its disk full, say): the engine's exec works still
+                log.warning("the command loop of %s cannot take a command: %s", sandbox.id, e)
+            return None
+        running = self.running.setdefault(sandbox.id, set())
+        running.add(proc)
+        proc.on_close = lambda: _forget(self.running, sandbox.id, proc)
+        return proc
+
+
+def _forget(running: dict[str, set[ResidentProcess]], sandbox_id: str, proc: ResidentProcess):
+    procs = running.get(sandbox_id)
+    if procs is not None:
+        procs.discard(proc)
+        if not procs:
+            del running[sandbox_id]

@@ -1,0 +1,139 @@
+"""Commands through the sandbox's resident loop (agent/resident.py), against real
+sandboxes: they run without an engine exec, answer as an engine exec would, fall back
+to the engine when a tenant kills the loop, and the loop's directory is read-only to the
+sandbox and gone with it.
+
+A command the loop started has a copy of the loop for its parent (which waits for it,
+to write its exit code); one the engine started has its parent outside the sandbox
+(PID 0)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+import pytest_asyncio
+from conftest import eventually, make_spec, started_pool
+
+from dsec.cli.up import LocalPool
+from dsec.client import Client, Sandbox
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+PARENT = ["sh", "-c", "[ $PPID = 0 ] && echo engine || tr '\\0' ' ' </proc/$PPID/cmdline"]
+THROUGH_LOOP, THROUGH_ENGINE = "sh /.dsec/serve", "engine"
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def pool(docker_client, tmp_path_factory) -> AsyncIterator[LocalPool]:
+    spec = make_spec(tmp_path_factory.mktemp("resident"), nodes=1)
+    async with started_pool(spec, docker_client) as p:
+        yield p
+
+
+@pytest_asyncio.fixture(loop_scope="module")
+async def sb(pool: LocalPool) -> AsyncIterator[Sandbox]:
+    async with Client(pool.url, token=pool.tokens.client) as c:
+        async with c.sandbox() as sandbox:
+            await loop_serving(sandbox)
+            yield sandbox
+
+
+async def parent_of_command(sb: Sandbox) -> str:
+    return (await sb.exec(PARENT)).stdout.strip()
+
+
+async def loop_serving(sb: Sandbox) -> None:
+    # the loop starts after the sandbox, when the engine has nothing more urgent to do
+    async def through_loop() -> bool:
+        return await parent_of_command(sb) == THROUGH_LOOP
+
+    await eventually(through_loop, timeout=30)
+
+
+async def test_commands_run_through_the_loop_and_answer_as_an_engine_exec_would(sb):
+    out = await sb.exec(
+        ["sh", "-c", r'printf "%s|%s|" "$A" "$(pwd)"; printf "\377\000" ; echo err >&2; exit 3'],
+        env={"A": "it's $HOME"},
+        workdir="/tmp",
+    )
+    assert out.exit_code == 3
+    assert out.stdout_bytes == b"it's $HOME|/tmp|\xff\x00"
+    assert out.stderr == "err\n"
+    assert (await sb.exec(["pwd"])).stdout == "/work\n"  # the template's work dir by default
+    missing = await sb.exec(["no-such-program"])
+    assert missing.exit_code == 126 and "not found" in missing.stderr
+    no_dir = await sb.exec(["true"], workdir="/no/such/dir")
+    assert no_dir.exit_code == 126 and "/no/such/dir" in no_dir.stderr
+    # each command is a session of its own (a timeout kills its process group)
+    ids = (await sb.exec(["sh", "-c", "echo $$; cut -d' ' -f6 /proc/$$/stat"])).stdout.split()
+    assert ids[0] == ids[1]
+    assert await parent_of_command(sb) == THROUGH_LOOP
+
+
+async def test_many_commands_at_once_each_get_their_own_output(sb):
+    outs = await asyncio.gather(*(sb.exec(["echo", str(i)]) for i in range(40)))
+    assert [o.stdout for o in outs] == [f"{i}\n" for i in range(40)]
+    zombies = await sb.exec(["sh", "-c", "grep -l '^State:.Z' /proc/[0-9]*/status | wc -l"])
+    assert zombies.stdout.strip() == "0"  # the sandbox's init reaps what the loop started
+
+
+async def test_a_timeout_through_the_loop_kills_the_command(sb):
+    out = await sb.exec(["sh", "-c", "sleep 300 & sleep 301"], timeout=1)
+    assert (out.exit_code, out.timed_out) == (124, True)
+    left = await sb.exec(["sh", "-c", "cat /proc/[0-9]*/cmdline | tr '\\0' ' '"])
+    assert "sleep 30" not in left.stdout
+
+
+async def test_the_loops_directory_is_read_only_to_the_sandbox(sb):
+    for attempt in (
+        "touch /.dsec/x",
+        "ln -s / /.dsec/escape",
+        "rm -f /.dsec/ctl",
+        "mv /.dsec/serve /.dsec/s",
+        "dd if=/dev/zero of=/.dsec/big bs=1M count=1",
+    ):
+        out = await sb.exec(["sh", "-c", attempt])
+        assert out.exit_code != 0 and "Read-only" in out.stderr, (attempt, out)
+    # junk in ctl (ids of commands that do not exist, not ids at all) is skipped
+    await sb.exec(["sh", "-c", "printf '../../x\\n\\nffff\\n%0100d\\n' 0 > /.dsec/ctl"])
+    assert (await sb.exec(["echo", "still"])).stdout == "still\n"
+    assert await parent_of_command(sb) == THROUGH_LOOP
+
+
+async def test_a_killed_loop_leaves_commands_to_the_engine_and_comes_back(sb):
+    # the oldest process running the loop's script is the loop (the rest are its copies)
+    kill = """for p in $(ls /proc | sort -n); do
+      [ "$(tr '\\0' ' ' < /proc/$p/cmdline)" = "sh /.dsec/serve " ] && kill $p && exit 0
+    done 2>/dev/null; exit 1"""
+    killed = await sb.exec(["sh", "-c", kill], timeout=10)
+    assert killed.exit_code == 0, killed
+    assert await parent_of_command(sb) == THROUGH_ENGINE
+    assert (await sb.exec(["echo", "ok"])).stdout == "ok\n"
+    await loop_serving(sb)  # started again, at most every agent.resident.RESTART_AFTER_S
+
+
+async def test_stdin_takes_the_engine_and_works(sb):
+    chunks = []
+    async with sb.exec_stream(["sh", "-c", "cat; echo $PPID"], stdin=True) as stream:
+        await stream.write(b"in\n")
+        await stream.close_stdin()
+        async for chunk in stream:
+            chunks.append(chunk.data)
+    assert b"".join(chunks) == b"in\n0\n"  # started by the engine
+
+
+async def test_the_loops_directory_goes_with_its_sandbox(pool):
+    async with Client(pool.url, token=pool.tokens.client) as c:
+        async with c.sandbox() as sandbox:
+            (path,) = pool.dir.glob(f"*-resident/{sandbox.id}")
+            assert (path / "ctl").is_fifo()
+            out = await sandbox.exec(["sh", "-c", r"printf '\377\001'"])
+            assert out.stdout_bytes == b"\xff\x01"
+            assert sorted(p.name for p in path.iterdir()) == ["ctl", "serve"]  # none left over
+
+        async def gone() -> bool:
+            return not path.exists()
+
+        await eventually(gone, timeout=30)
