@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Annotated
 
-from pydantic import Field, model_validator
+from pydantic import AfterValidator, Field, model_validator
 
+from dsec.addresses import advertised_url, check_advertise_url, listens_everywhere
 from dsec.httpkit import MetricsAccess
 from dsec.models import Capacity, Name, NodeKind
 
@@ -15,6 +17,11 @@ class AgentConfig(MetricsAccess):
     kind: NodeKind = "local"
     host: str = "127.0.0.2"
     port: int = Field(0, ge=0, le=65535)
+    advertise_url: Annotated[str, AfterValidator(check_advertise_url)] | None = Field(
+        None,
+        description="where the control plane and clients reach this agent (http(s)://host"
+        "[:port]; without a port, the one it listens on); None: the address it listens on",
+    )
     capacity: Capacity = Capacity(cpus=64, memory_mb=65536, slots=128)
     controlplane_url: str | None = None
     ca: Path | None = Field(
@@ -44,6 +51,21 @@ class AgentConfig(MetricsAccess):
     audit_files: int = Field(
         5, ge=2, le=1000, description="audit log files kept: the current one and older ones"
     )
+
+    @model_validator(mode="after")
+    def _reachable(self) -> AgentConfig:
+        # 0.0.0.0 is every address of this machine: not one the control plane can dial
+        if listens_everywhere(self.host) and self.advertise_url is None:
+            raise ValueError(
+                f"host {self.host!r} listens on every address, which is no address to "
+                "advertise: say where the control plane and clients reach this agent with "
+                "--advertise-url (advertise_url), e.g. http://10.0.0.12:8701"
+            )
+        return self
+
+    def advertised(self, bound_url: str) -> str:
+        """The URL this agent reports, once it listens at `bound_url`."""
+        return advertised_url(bound_url, self.advertise_url)
 
     @model_validator(mode="after")
     def _metrics_readable(self) -> AgentConfig:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import re
 from collections import Counter
 from collections.abc import AsyncIterator
@@ -23,7 +24,8 @@ from controlplane.config import ControlPlaneConfig
 from controlplane.identities import Identities, check_agent_url
 from controlplane.metrics import UNKNOWN_POOL
 from controlplane.scheduler import Scheduler, build_scheduler
-from controlplane.view import SandboxEntry
+from controlplane.view import NodeEntry, SandboxEntry
+from dsec.addresses import is_loopback, is_loopback_address, unroutable
 from dsec.clock import Clock
 from dsec.httpkit import (
     Api,
@@ -60,10 +62,10 @@ from dsec.models import (
     SandboxList,
     Usage,
 )
-from dsec.policy import Resources
 from dsec.states import ASSIGNED, SandboxState
 from dsec.tokens import LEASE_TOKEN_HEADER, client_id
 
+log = logging.getLogger(__name__)
 SCHEDULER = web.AppKey("scheduler", Scheduler)
 IDENTITIES = web.AppKey("identities", Identities)
 
@@ -224,38 +226,85 @@ async def agent_heartbeat(request: web.Request) -> web.Response:
         ) from None
     if report.node_id != request.match_info["node_id"]:
         raise ApiError(422, "node_mismatch", "the report names another node than the URL")
+    _check_reachable(report, request)
     # placements and its clients' commands go there: only where the operator allows
     check_agent_url(report.url, s.config.agent_urls)
     return model_response(s.on_report(report))
 
 
+def _check_reachable(report: NodeReport, request: web.Request) -> None:
+    """Refuse (422 unroutable_url) a node whose URL neither we nor its clients can dial:
+    an address that is no address (0.0.0.0, ::, none), or a loopback address while the
+    report comes from another machine (that loopback is its own, not ours)."""
+    why = unroutable(report.url)
+    peer = request.remote or ""
+    if why is None and is_loopback(report.url) and not _same_machine(peer, request):
+        why = f"a loopback address, while its reports come from {peer}, another machine"
+    if why is not None:
+        raise ApiError(
+            422,
+            "unroutable_url",
+            f"node {report.node_id} advertises {report.url}, {why}: start its agent with "
+            "--advertise-url URL, an address this control plane and its clients reach",
+            [{"loc": "url", "msg": why}],
+        )
+
+
+def _same_machine(peer: str, request: web.Request) -> bool:
+    """Whether a request's peer is this machine: a loopback address, or our own end's."""
+    if is_loopback_address(peer):
+        return True
+    sockname = request.transport.get_extra_info("sockname") if request.transport else None
+    return bool(sockname) and sockname[0] == peer
+
+
+def _node_info(s: Scheduler, n: NodeEntry, now: float) -> NodeInfo:
+    used = s.view.used(n.id)
+    return NodeInfo(
+        node_id=n.id,
+        kind=n.kind,
+        url=n.url,
+        healthy=n.healthy,
+        placeable=n.placeable(now),
+        engine_ok=n.engine_ok,
+        failures=n.failures,
+        create_limit=n.create_limit,
+        heartbeat_age_s=max(0.0, now - n.last_seen),
+        capacity=Capacity(
+            cpus=n.capacity.cpus, memory_mb=n.capacity.memory_mb, slots=n.capacity.slots
+        ),
+        usage=Usage(cpus=used.cpus, memory_mb=used.memory_mb, slots=used.slots),
+        sandboxes=used.slots,
+        images=sorted(n.images),
+        drain=s.view.drain_state(n),
+    )
+
+
 async def list_nodes(request: web.Request) -> web.Response:
     s = _client(request)
     now = s.clock.now()
-    nodes = []
-    used_by_node = s.view.used_by_node()
-    for n in s.view.nodes.values():
-        used = used_by_node.get(n.id, Resources())
-        nodes.append(
-            NodeInfo(
-                node_id=n.id,
-                kind=n.kind,
-                url=n.url,
-                healthy=n.healthy,
-                placeable=n.placeable(now),
-                engine_ok=n.engine_ok,
-                failures=n.failures,
-                create_limit=n.create_limit,
-                heartbeat_age_s=max(0.0, now - n.last_seen),
-                capacity=Capacity(
-                    cpus=n.capacity.cpus, memory_mb=n.capacity.memory_mb, slots=n.capacity.slots
-                ),
-                usage=Usage(cpus=used.cpus, memory_mb=used.memory_mb, slots=used.slots),
-                sandboxes=used.slots,
-                images=sorted(n.images),
-            )
-        )
-    return model_response(NodeList(nodes=nodes))
+    return model_response(NodeList(nodes=[_node_info(s, n, now) for n in s.view.nodes.values()]))
+
+
+async def drain_node(request: web.Request) -> web.Response:
+    """An operator's drain: no new placements on the node, its idle sandboxes removed,
+    its leases run to their end (the policy's rule 9); then it may go."""
+    return _request_drain(request, True)
+
+
+async def undrain_node(request: web.Request) -> web.Response:
+    return _request_drain(request, False)
+
+
+def _request_drain(request: web.Request, requested: bool) -> web.Response:
+    s = _admin(request)
+    node_id = _node_id_param(request)
+    node = s.view.request_drain(node_id, requested)
+    if node is None:
+        raise ApiError(404, "unknown_node", f"no node {node_id}")
+    log.info("node %s: drain %s", node_id, "requested" if requested else "called off")
+    s.wake()
+    return model_response(_node_info(s, node, s.clock.now()))
 
 
 def _pool_info(s: Scheduler, name: str) -> PoolInfo:
@@ -385,6 +434,21 @@ def controlplane_api() -> Api:
         "holding the lease)",
     )
     api.route("GET", "/v1/nodes", list_nodes, answer=NodeList, summary="registered nodes")
+    api.route(
+        "POST",
+        "/v1/nodes/{node_id}/drain",
+        drain_node,
+        answer=NodeInfo,
+        summary="drain a node (admin): no new sandboxes there, its idle ones removed, its "
+        "leases run to their end; `drain` says drained once it holds none and may go",
+    )
+    api.route(
+        "DELETE",
+        "/v1/nodes/{node_id}/drain",
+        undrain_node,
+        answer=NodeInfo,
+        summary="call a node's drain off (admin): it takes new sandboxes again",
+    )
     api.route("GET", "/v1/pools", list_pools, answer=PoolList, summary="pools and parameters")
     api.route(
         "PUT",

@@ -88,9 +88,22 @@ class ViewCollector(Collector):
             "1 while a node's Docker engine answers its agent, as its last heartbeat said",
             labels=["node", "kind"],
         )
+        draining = GaugeMetricFamily(
+            "dsec_node_draining",
+            "1 while an operator's drain of a node is under way or done (no new sandboxes)",
+            labels=["node", "kind"],
+        )
+        drained = GaugeMetricFamily(
+            "dsec_node_drained",
+            "1 once a drained node holds no sandbox: it may go",
+            labels=["node", "kind"],
+        )
         now = self.now()
         used = self.view.used_by_node()
         for node in self.view.nodes.values():
+            drain = self.view.drain_state(node)
+            draining.add_metric([node.id, node.kind], 0.0 if drain == "none" else 1.0)
+            drained.add_metric([node.id, node.kind], 1.0 if drain == "drained" else 0.0)
             ratio = used.get(node.id, Resources()).ratio_of(node.capacity)
             utilisation.add_metric([node.id, node.kind], ratio)
             age.add_metric([node.id], max(0.0, now - node.last_seen))
@@ -102,6 +115,8 @@ class ViewCollector(Collector):
         yield healthy
         yield placeable
         yield engine_ok
+        yield draining
+        yield drained
 
 
 class ControlPlaneMetrics:

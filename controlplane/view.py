@@ -20,7 +20,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from dsec.models import LeaseEnd, NodeReport, ReportAck, SandboxRow
+from dsec.models import DrainState, LeaseEnd, NodeReport, ReportAck, SandboxRow
 from dsec.policy import NodeSnap, Resources, SandboxSnap
 from dsec.recent import RecentMap
 from dsec.states import (
@@ -50,7 +50,10 @@ class NodeEntry:
     failures: int = 0  # calls to it that failed (5xx, unreachable) in a row
     failing_until: float = 0.0  # out of placement after failures, until then
     empty_since: float | None = None  # since when it holds no sandbox at all
-    draining: bool = False  # being released: no placements
+    draining: bool = False  # a cloud node being released: no placements
+    # an operator's drain (POST /v1/nodes/{id}/drain): no placements, its idle sandboxes
+    # removed, its leases run to their end; then it may go
+    drain_requested: bool = False
     create_limit: int = 4  # creates it runs at once, as its agent measured
     # its agent's reports: the last applied (in this incarnation), every sandbox's row as
     # last reported, and the sandboxes whose row could not be settled yet
@@ -59,9 +62,13 @@ class NodeEntry:
     unsettled: set[str] = field(default_factory=set)
     clock_offset: float = 0.0  # our clock minus its agent's, at its last report
 
+    def serving(self, now: float) -> bool:
+        """Its agent carries out calls: heartbeats in time, engine up, calls not failing."""
+        return self.healthy and self.engine_ok and now >= self.failing_until
+
     def placeable(self, now: float) -> bool:
         """Takes work: new sandboxes, and claims of the ones it holds."""
-        return self.healthy and self.engine_ok and not self.draining and now >= self.failing_until
+        return self.serving(now) and not self.draining and not self.drain_requested
 
     def our_time(self, agent_time: float | None, now: float) -> float | None:
         """An instant its agent reported, on our clock (never later than now)."""
@@ -140,8 +147,8 @@ class ClusterView:
         self._dirty_nodes: set[str] = set()
         # node -> when its snapshot changes by itself (a refusal or a failure backoff ends)
         self._changes_at: dict[str, float] = {}
-        # nodes not placeable at the last snapshot: their sandboxes are left alone
-        self._unplaceable: set[str] = set()
+        # nodes not serving at the last snapshot: their sandboxes are left alone
+        self._not_serving: set[str] = set()
 
     def _count(self, entry: SandboxEntry, sign: int) -> None:
         self._dirty_nodes.add(entry.node)
@@ -242,6 +249,22 @@ class ClusterView:
             node.draining = draining
             self._dirty_nodes.add(node_id)
 
+    def request_drain(self, node_id: str, requested: bool) -> NodeEntry | None:
+        """An operator's drain of a node starts (or, `requested` false, is called off);
+        None: no such node."""
+        node = self.nodes.get(node_id)
+        if node is not None:
+            node.drain_requested = requested
+            self._dirty_nodes.add(node_id)
+        return node
+
+    def drain_state(self, node: NodeEntry) -> DrainState:
+        """none; draining while it holds sandboxes (leases running, removals under way);
+        drained once it holds none: it may go."""
+        if not node.drain_requested:
+            return "none"
+        return "draining" if self._by_node.get(node.id) else "drained"
+
     def on_node(self, node_id: str) -> list[SandboxEntry]:
         return list(self._by_node.get(node_id, {}).values())
 
@@ -302,6 +325,7 @@ class ClusterView:
             node.failing_until = previous.failing_until
             node.empty_since = previous.empty_since
             node.draining = previous.draining
+            node.drain_requested = previous.drain_requested
             if previous.incarnation == report.incarnation:
                 node.seq, node.rows = previous.seq, previous.rows
                 node.unsettled = previous.unsettled
@@ -389,10 +413,15 @@ class ClusterView:
         )
 
     def mark_silent_nodes(self, now: float, timeout_s: float) -> list[NodeEntry]:
-        """Nodes past the heartbeat timeout stop taking placements; their sandboxes are lost."""
+        """Nodes past the heartbeat timeout stop taking placements; their sandboxes are lost.
+        A drained node that goes silent has left as its operator meant: it is forgotten."""
         newly_down = []
-        for node in self.nodes.values():
+        for node in list(self.nodes.values()):
             alive = now - node.last_seen <= timeout_s
+            if not alive and self.drain_state(node) == "drained":
+                log.info("drained node %s has gone: forgotten", node.id)
+                self.drop_node(node.id)
+                continue
             if node.healthy != alive:
                 self._dirty_nodes.add(node.id)
             if node.healthy and not alive:
@@ -417,15 +446,15 @@ class ClusterView:
                 n.empty_since = None
             elif n.empty_since is None:
                 n.empty_since = now
-            placeable = n.placeable(now)
-            if placeable:
-                self._unplaceable.discard(node_id)
+            serving = n.serving(now)
+            if serving:
+                self._not_serving.discard(node_id)
             else:
-                self._unplaceable.add(node_id)
+                self._not_serving.add(node_id)
             self._node_snaps[node_id] = NodeSnap(
                 n.id,
                 n.kind,
-                placeable,
+                serving,
                 n.capacity,
                 self.used(n.id),
                 n.images,
@@ -433,13 +462,14 @@ class ClusterView:
                 empty_since=n.empty_since,
                 creating=self._creating.get(n.id, 0),
                 create_limit=n.create_limit,
+                draining=n.draining or n.drain_requested,
             )
         self._dirty_nodes.clear()
         return tuple(self._node_snaps.values())
 
     def drop_node(self, node_id: str) -> None:
         self.nodes.pop(node_id, None)
-        self._unplaceable.discard(node_id)
+        self._not_serving.discard(node_id)
         self._dirty_nodes.add(node_id)
 
     def sandbox_snaps(
@@ -464,13 +494,14 @@ class ClusterView:
                     for s in self.by_state[state].values()
                     if not s.op_in_flight and s.retry_at <= now and lease_due(s)
                 )
-        if self._unplaceable:
-            # a node that cannot take work cannot hand out, freeze or remove what it holds
-            # either: its sandboxes wait for it to come back (creates under way still count)
+        if self._not_serving:
+            # a node that cannot carry out calls cannot hand out, freeze or remove what it
+            # holds either: its sandboxes wait for it to come back (creates under way still
+            # count). A draining node serves: the policy removes its idle sandboxes.
             snaps = [
                 s
                 for s in snaps
-                if s.node not in self._unplaceable or s.state == SandboxState.CREATING
+                if s.node not in self._not_serving or s.state == SandboxState.CREATING
             ]
         return tuple(snaps)
 

@@ -32,6 +32,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Literal, TypeVar
+from urllib.parse import quote
 
 import aiohttp
 from pydantic import BaseModel
@@ -48,6 +49,7 @@ from dsec.models import (
     FileRemoved,
     Lease,
     LeaseRenewed,
+    NodeInfo,
     NodeList,
     PoolInfo,
     PoolList,
@@ -731,6 +733,17 @@ class Client:
 
     async def nodes(self) -> NodeList:
         return await self._call("GET", f"{self.url}/v1/nodes", NodeList)
+
+    async def drain_node(self, node_id: str) -> NodeInfo:
+        """Drain a node (admin token): no new sandboxes there, its idle ones removed, its
+        leases run to their end; its `drain` reads "drained" once it may go."""
+        url = f"{self.url}/v1/nodes/{quote(node_id, safe='')}/drain"
+        return await self._call("POST", url, NodeInfo)
+
+    async def undrain_node(self, node_id: str) -> NodeInfo:
+        """Call a node's drain off (admin token): it takes new sandboxes again."""
+        url = f"{self.url}/v1/nodes/{quote(node_id, safe='')}/drain"
+        return await self._call("DELETE", url, NodeInfo)
 
     async def pools(self) -> PoolList:
         return await self._call("GET", f"{self.url}/v1/pools", PoolList)

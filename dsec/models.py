@@ -48,6 +48,8 @@ ClientId = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{16}$")]
 ImageRef = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9._/:@-]{0,254}$")]
 NodeKind = Literal["local", "cloud"]
 SchedulePath = Literal["warm", "thaw", "cold", "overflow"]
+# an operator's drain of a node: none, draining (sandboxes left), drained (it may go)
+DrainState = Literal["none", "draining", "drained"]
 OutputEncoding = Literal["utf-8", "base64"]
 
 MAX_TIMEOUT_S = 3600.0
@@ -586,6 +588,12 @@ class NodeInfo(Wire):
     usage: Usage
     sandboxes: int
     images: list[str]
+    drain: DrainState = Field(
+        "none",
+        description="an operator's drain (POST /v1/nodes/{id}/drain): draining while it still "
+        "holds sandboxes (no new ones; idle ones removed; leases run on), drained once it "
+        "holds none and may go",
+    )
 
 
 class NodeList(Wire):

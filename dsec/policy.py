@@ -37,6 +37,10 @@ One decision, in order (DSec's defaults, seed 004 section 4.2):
 8. End leases past their pool's max_lease_s, and those whose client neither ran a
    command nor renewed for lease_idle_timeout_s (a rollout worker that died): the
    sandbox goes and its slot comes back.
+9. Drain: a draining node (an operator's drain, or a cloud node being released) gets
+   no creates and no claims (rules 1 to 3 and 7 look past it), and its idle sandboxes
+   (warm, paused, hibernated) are removed; its leases run to their end, under rules 6
+   and 8 as anywhere else.
 """
 
 from __future__ import annotations
@@ -102,6 +106,7 @@ class NodeSnap:
     # creates its engine runs at once before it only gets slower (its agent measures it):
     # more are not placed there, so each create finishes as soon as the engine allows
     create_limit: int = 1 << 30
+    draining: bool = False  # rule 9: no placements, its idle sandboxes removed
 
 
 @dataclass(frozen=True)
@@ -292,7 +297,10 @@ class Placement:
         self.creates: dict[str, int] = {}  # creates placed by this decision, per node
         self.seed = seed
         self.unplaced_overflow = 0  # creates that wanted a cloud node and found none
-        local = [n for n in self.nodes.values() if n.kind == "local" and n.healthy]
+        # the nodes that take work: a draining node's room is not there to fill
+        local = [
+            n for n in self.nodes.values() if n.kind == "local" and n.healthy and not n.draining
+        ]
         self.local_capacity = Resources(
             sum(n.capacity.cpus for n in local),
             sum(n.capacity.memory_mb for n in local),
@@ -316,7 +324,7 @@ class Placement:
     def feasible(self, kind: str, needs: Resources, excluded: frozenset[str]) -> list[NodeSnap]:
         found = []
         for n in self.nodes.values():
-            if n.kind != kind or not n.healthy or not n.accepting or n.id in excluded:
+            if n.kind != kind or not n.healthy or n.draining or not n.accepting or n.id in excluded:
                 continue
             used, cap = self.used(n), n.capacity  # inline: this runs per node per create
             if (
@@ -389,7 +397,7 @@ class Placement:
         eligible = [
             n.id
             for n in self.nodes.values()
-            if n.healthy and (n.kind == "local" or template.may_overflow)
+            if n.healthy and not n.draining and (n.kind == "local" or template.may_overflow)
         ]
         if req.template_refusal is not None and req.refused_by.issuperset(eligible):
             return Unplaceable(
@@ -424,7 +432,15 @@ class _Decision:
         self.creating: dict[tuple[str, str], int] = {}
         self.leased: list[SandboxSnap] = []
         self.frozen_leases: list[SandboxSnap] = []
+        draining = {n.id for n in snapshot.nodes if n.draining}
+        self.drained: list[SandboxSnap] = []  # idle on a draining node: rule 9 removes them
         for sb in sorted(snapshot.sandboxes, key=lambda s: (s.since, s.id)):
+            if sb.node in draining and sb.state != S.LEASED and sb.state != S.LEASED_PAUSED:
+                # neither claimed nor waited for: a create under way there is removed once
+                # it is ready, and its request is served elsewhere
+                if sb.state in (S.WARM, S.PAUSED, S.HIBERNATED):
+                    self.drained.append(sb)
+                continue
             # a sandbox created for a request is not kept for it: whatever is ready first
             # goes to the oldest waiter (reserved_for only tells whose create it was)
             if sb.state == S.CREATING:
@@ -693,6 +709,11 @@ class _Decision:
                     ExpireLease(sb.id, "no command and no renewal for lease_idle_timeout_s")
                 )
 
+    # 9 ---------------------------------------------------------------------------
+    def drain(self) -> None:
+        for sb in self.drained:
+            self.actions.append(Destroy(sb.id, "its node is draining"))
+
 
 def decide(snapshot: Snapshot, pools: Mapping[str, PoolParams], now: float) -> list[Action]:
     d = _Decision(snapshot, pools, now)
@@ -703,4 +724,5 @@ def decide(snapshot: Snapshot, pools: Mapping[str, PoolParams], now: float) -> l
     d.freeze_idle_leases()
     d.expire_leases()
     d.cloud()
+    d.drain()
     return d.actions

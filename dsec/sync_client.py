@@ -148,6 +148,8 @@ class SyncClient:
     get = _Blocking()
     list = _Blocking()
     nodes = _Blocking()
+    drain_node = _Blocking()
+    undrain_node = _Blocking()
     pools = _Blocking()
     pool = _Blocking()
     set_pool = _Blocking()

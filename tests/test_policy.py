@@ -476,3 +476,55 @@ def test_kpa_panics_on_a_burst_and_does_not_scale_down_in_panic():
 def test_an_unknown_policy_is_refused():
     with pytest.raises(ValueError, match="unknown policy"):
         make_policy("nope")
+
+
+# --- rule 9: drain ------------------------------------------------------------------
+
+
+def test_a_draining_node_gets_no_placements_and_its_idle_sandboxes_go():
+    nodes = [node("n1", draining=True), node("n2")]
+    idle = [
+        sandbox("w", S.WARM, since=NOW - 100),
+        sandbox("pz", S.PAUSED, since=NOW - 5),
+        sandbox("h", S.HIBERNATED, since=NOW - 5),
+    ]
+    busy = [sandbox("l", S.LEASED, idle_since=NOW), sandbox("lp", S.LEASED_PAUSED)]
+    making = [sandbox("c", S.CREATING)]  # placed before the drain began
+    actions = decide(
+        snap(nodes, idle + busy + making, [request("r1"), request("r2")]),
+        {"p": params(min_warm=3)},
+        NOW,
+    )
+    # its idle sandboxes are removed, not claimed; the leases run on
+    assert {a.sandbox_id for a in of(actions, Destroy)} == {"w", "pz", "h"}
+    assert all(a.reason == "its node is draining" for a in of(actions, Destroy))
+    assert of(actions, Claim) == []
+    # every create goes elsewhere: both requests' (its create under way is not waited
+    # for) and the warm pool's, which it no longer holds
+    assert {a.node for a in of(actions, Create)} == {"n2"}
+    assert len(cold(actions)) == 2
+    assert of(actions, Create, "warm pool below target")
+
+
+def test_a_request_no_other_node_can_take_waits_rather_than_going_to_a_draining_node():
+    actions = decide(snap([node("n1", draining=True)], [], [request("r")]), {"p": params()}, NOW)
+    assert of(actions, Create) == []
+    (unplaced,) = actions
+    assert unplaced.code == "no_room" and not unplaced.final
+
+
+def test_a_draining_nodes_room_does_not_count_against_overflow():
+    """Local utilisation is that of the nodes that take work: a full node left alone
+    beside a draining empty one overflows to the cloud."""
+    nodes = [
+        node("n1", slots=10, used=9),
+        node("n2", slots=1000, draining=True),
+        node("c", "cloud"),
+    ]
+    actions = decide(snap(nodes, [], [request("r")]), {"p": params()}, NOW)
+    assert [a.node for a in cold(actions)] == ["c"]
+
+
+def test_a_drained_node_is_left_alone():
+    actions = decide(snap([node("n1", draining=True)], []), {"p": params()}, NOW)
+    assert actions == []

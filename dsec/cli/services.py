@@ -16,6 +16,7 @@ import aiohttp
 from pydantic import ValidationError
 
 from agent.config import AgentConfig
+from dsec.addresses import advertised_url, check_advertise_url, listens_everywhere
 from dsec.cli.common import (
     DASHBOARD_HINT,
     DEFAULT_STATE_DIR,
@@ -33,7 +34,7 @@ from dsec.tls import TlsFiles
 def cmd_controlplane(args: argparse.Namespace) -> int:
     from controlplane.agents import HttpAgents
     from controlplane.app import create_controlplane_app
-    from controlplane.cloud import LocalCloudProvider
+    from controlplane.cloud import cloud_provider
     from controlplane.config import ControlPlaneConfig
     from controlplane.identities import Identities, load_or_make_key
     from dsec.clock import SystemClock
@@ -69,13 +70,20 @@ def cmd_controlplane(args: argparse.Namespace) -> int:
     except ValidationError as e:
         raise UsageError(f"invalid control plane config: {describe(e)}") from e
     tls, server_ssl = _tls(args)
+    advertise = _advertise_url(args.advertise_url, tls)
+    if config.cloud is not None and listens_everywhere(config.host) and advertise is None:
+        # its cloud agents register where it says it is
+        raise UsageError(
+            f"--host {config.host} listens on every address, which is no address for cloud "
+            "agents to register at: say which with --advertise-url"
+        )
     limits = ServerLimits()
     _raise_open_files_limit(limits.max_connections + FDS_SPARE)
 
     async def main() -> None:
         cloud = None
         if config.cloud is not None:
-            cloud = LocalCloudProvider(
+            cloud = cloud_provider(
                 config.cloud, Identities.of(config), config.metrics_token, tls=tls
             )
         agents = HttpAgents(Identities.of(config), verify=tls.client_ssl())
@@ -83,7 +91,8 @@ def cmd_controlplane(args: argparse.Namespace) -> int:
 
         def listening(url: str) -> None:
             if cloud is not None:
-                cloud.controlplane_url = url  # where its cloud agents register
+                # where its cloud agents register
+                cloud.controlplane_url = advertised_url(url, advertise)
 
         await serve(
             app,
@@ -97,6 +106,20 @@ def cmd_controlplane(args: argparse.Namespace) -> int:
 
     asyncio.run(main())
     return 0
+
+
+def _advertise_url(url: str | None, tls: TlsFiles) -> str | None:
+    """--advertise-url, checked: a URL others can dial, of the scheme the service serves."""
+    if url is None:
+        return None
+    try:
+        url = check_advertise_url(url)
+    except ValueError as e:
+        raise UsageError(f"--advertise-url: {e}") from e
+    scheme = "https" if tls.serving else "http"
+    if not url.startswith(f"{scheme}://"):
+        raise UsageError(f"--advertise-url {url}: this service serves {scheme}://, not that")
+    return url
 
 
 # --- dsec agent ----------------------------------------------------------------
@@ -129,12 +152,14 @@ def cmd_agent(args: argparse.Namespace) -> int:
     tls, server_ssl = _tls(args)
     if tls.serving and (args.controlplane or "").startswith("http://"):
         raise UsageError("an agent serving TLS reports over TLS: --controlplane must be https")
+    advertise = _advertise_url(args.advertise_url, tls)
     try:
         config = AgentConfig(
             node_id=args.node_id,
             kind=args.kind,
             host=args.host,
             port=args.port,
+            advertise_url=advertise,
             capacity=Capacity(cpus=args.cpus, memory_mb=args.memory_mb, slots=args.slots),
             controlplane_url=args.controlplane,
             # its own node token, or the pool's join token (controlplane/identities.py)
@@ -155,6 +180,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
     try:
         client = docker.from_env()  # a clear message now rather than a failing node
         client.ping()
+        _ensure_base_image(client)
         client.close()
     except docker.errors.DockerException as e:
         raise UsageError(f"the Docker engine is not reachable: {e}") from e
@@ -172,7 +198,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
             config.host,
             config.port,
             stop_on_signals(),
-            agent.listening_at,
+            lambda url: agent.listening_at(config.advertised(url)),
             ssl_context=server_ssl,
             # a command holds a connection; the rest are the control plane's and files'
             limits=ServerLimits(max_connections=config.execs_per_node + SPARE_CONNECTIONS),
@@ -180,6 +206,19 @@ def cmd_agent(args: argparse.Namespace) -> int:
 
     asyncio.run(main())
     return 0
+
+
+def _ensure_base_image(client) -> None:
+    """The default template's image on this node's engine, built if missing (a node of
+    a multi-host pool has no `dsec up` to build it); without a static busybox the node
+    serves templates of the images it has, and says so."""
+    from dsec.image import ImageBuildError, ensure_base_image
+
+    try:
+        if ensure_base_image(client):
+            print("dsec agent: built the base template image", file=sys.stderr, flush=True)
+    except ImageBuildError as e:
+        print(f"dsec agent: no base template image on this node: {e}", file=sys.stderr)
 
 
 # --- dsec status ---------------------------------------------------------------
@@ -216,12 +255,13 @@ def cmd_status(args: argparse.Namespace) -> int:
     print(f"dashboard     {DASHBOARD_HINT}\n")
     print(
         format_table(
-            ["node", "kind", "healthy", "sandboxes", "slots", "cpus", "url"],
+            ["node", "kind", "healthy", "drain", "sandboxes", "slots", "cpus", "url"],
             [
                 [
                     n["node_id"],
                     n["kind"],
                     n["healthy"],
+                    n.get("drain", "none"),
                     n["sandboxes"],
                     n["capacity"]["slots"],
                     f"{n['usage']['cpus']:g}/{n['capacity']['cpus']:g}",
@@ -303,6 +343,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     cp.add_argument("--config", help="JSON file: pools, templates, timers")
     cp.add_argument("--host")
     cp.add_argument("--port", type=int)
+    cp.add_argument(
+        "--advertise-url",
+        help="where agents and clients reach it (http(s)://host[:port]), when it is not the "
+        "address it listens on (--host 0.0.0.0, a NAT, a proxy): its cloud agents register "
+        "there",
+    )
     _metrics_flags(cp, " or an admin token, and so does /v1/sd/prometheus")
     _tls_flags(cp)
     cp.set_defaults(run=cmd_controlplane)
@@ -310,8 +356,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     ag = sub.add_parser("agent", help="run a node's launcher agent")
     ag.add_argument("--node-id", required=True)
     ag.add_argument("--kind", choices=["local", "cloud"], default="local")
-    ag.add_argument("--host", default="127.0.0.2")
+    ag.add_argument("--host", default="127.0.0.2", help="address it listens on")
     ag.add_argument("--port", type=int, default=8701)
+    ag.add_argument(
+        "--advertise-url",
+        help="where the control plane and clients reach it (http(s)://host[:port]; without "
+        "a port, the one it listens on): needed with --host 0.0.0.0, or behind a NAT",
+    )
     ag.add_argument("--controlplane", help="control plane URL to register with")
     ag.add_argument("--cpus", type=float, default=16)
     ag.add_argument("--memory-mb", type=int, default=65536)
