@@ -7,7 +7,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from controlplane.cloud import CloudConfig
+from controlplane.cloud import CloudSettings
 from controlplane.identities import LOOPBACK_AGENT_URLS, AgentUrlRule
 from dsec.baselines import PolicyName
 from dsec.httpkit import ApiError, MetricsAccess
@@ -123,7 +123,11 @@ class ControlPlaneConfig(MetricsAccess):
         2.0, gt=0, le=60, description="first time out of placement; doubles per failure, to 60 s"
     )
     peak_window_s: float = Field(600.0, gt=0, le=86_400, description="'recent' in recent peak")
-    cloud: CloudConfig | None = None
+    cloud: CloudSettings | None = Field(
+        None,
+        description="cloud overflow: the local provider, or the pool on Ray "
+        '({"provider": "ray"}: RayConfig)',
+    )
     state_dir: Path | None = Field(
         None, description="where released idempotency keys are kept across restarts"
     )

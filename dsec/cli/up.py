@@ -18,13 +18,14 @@ import shlex
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, TypeVar
 
 import aiohttp
 import docker
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from agent.docker_driver import LABEL_NODE
-from controlplane.cloud import CloudConfig, cloud_node_host
+from controlplane.cloud import CloudConfig, RayConfig, cloud_node_host
 from controlplane.config import ClientQuota, ClientSpec, ControlPlaneConfig, default_templates
 from controlplane.identities import Identities, load_or_make_key
 from dsec.baselines import PolicyName
@@ -44,6 +45,7 @@ from dsec.tls import TlsFiles, client_ssl, make_local_pool_tls
 from dsec.tokens import new_token
 
 READY_TIMEOUT_S = 60.0
+MAX_CLOUD_NODES = 200  # as the control plane's config allows
 
 
 class LocalPoolError(RuntimeError):
@@ -82,6 +84,9 @@ class LocalPoolSpec:
     more_pools: dict[str, PoolParams] = field(default_factory=dict)
     clients: list[ClientSpec] = field(default_factory=list)
     default_quota: ClientQuota = field(default_factory=ClientQuota)
+
+
+Spec = TypeVar("Spec", bound=LocalPoolSpec)
 
 
 class UpConfig(BaseModel):
@@ -159,6 +164,7 @@ class LocalPool:
         self.swept = 0  # leftover containers the last stop() removed
         self.identities: Identities | None = None  # every node's credentials, once started
         self.tls: TlsFiles | None = None  # with spec.tls, once started
+        self.registered: list[dict] = []  # GET /v1/nodes once the start was done
 
     async def __aenter__(self) -> LocalPool:
         """Started. However the block ends, the pool is stopped on the way out; a start
@@ -218,17 +224,7 @@ class LocalPool:
             state_dir=self.dir,
             tick_s=self.spec.tick_s,
             policy=self.spec.policy,
-            cloud=None
-            if not self.spec.cloud_nodes
-            else CloudConfig(
-                max_nodes=self.spec.cloud_nodes,
-                node_prefix=self.cloud_prefix,
-                boot_delay_s=self.spec.cloud_boot_delay_s,
-                idle_release_s=self.spec.cloud_idle_release_s,
-                capacity=self.spec.capacity,
-                state_dir=self.dir,
-                heartbeat_s=self.spec.heartbeat_s,
-            ),
+            cloud=self.cloud_config(),
         )
         config_path = self.dir / "controlplane.json"
         # tokens reach the children through the environment, not the config file
@@ -273,6 +269,20 @@ class LocalPool:
         if self.tokens.metrics is not None:
             write_private(self.metrics_token_file, self.tokens.metrics.encode())
 
+    def cloud_config(self) -> CloudConfig | RayConfig | None:
+        """The control plane's cloud provider: local cloud nodes, up to spec.cloud_nodes."""
+        if not self.spec.cloud_nodes:
+            return None
+        return CloudConfig(
+            max_nodes=self.spec.cloud_nodes,
+            node_prefix=self.cloud_prefix,
+            boot_delay_s=self.spec.cloud_boot_delay_s,
+            idle_release_s=self.spec.cloud_idle_release_s,
+            capacity=self.spec.capacity,
+            state_dir=self.dir,
+            heartbeat_s=self.spec.heartbeat_s,
+        )
+
     def node_env(self, node_id: str) -> dict[str, str]:
         """The credentials of an agent this pool starts: its own node token, which it
         joins with (no token that speaks for another node), and the metrics token."""
@@ -315,10 +325,15 @@ class LocalPool:
             for _ in range(int(READY_TIMEOUT_S / 0.1)):
                 async with http.get(f"{self.url}/v1/nodes") as resp:
                     nodes = (await resp.json())["nodes"]
-                if {n["node_id"] for n in nodes if n["healthy"]} >= set(self.node_ids):
+                if self.all_registered({n["node_id"] for n in nodes if n["healthy"]}):
+                    self.registered = nodes
                     return
                 await asyncio.sleep(0.1)
         raise LocalPoolError("the agents did not register with the control plane in time")
+
+    def all_registered(self, healthy: set[str]) -> bool:
+        """Whether the start is done, once these nodes are registered and healthy."""
+        return healthy >= set(self.node_ids)
 
     def _write_env_file(self) -> None:
         ca = {"DSEC_CA": str(self.ca)} if self.ca else {}
@@ -334,6 +349,7 @@ class LocalPool:
             "env_file": str(self.env_file),
             "ca": str(self.ca) if self.ca else None,  # None: plain HTTP
             "nodes": [{"node_id": a.name, "url": a.url} for a in self.agents],
+            "cloud_nodes": self.spec.cloud_nodes,  # at most, started on overflow
         }
 
     async def restart_agent(self, child: Child) -> Child:
@@ -373,22 +389,43 @@ class LocalPool:
     def _sweep_containers(self) -> int:
         client = docker.from_env()
         removed = 0
-        for node_id in self.node_ids + self.cloud_node_ids:
-            for c in client.containers.list(all=True, filters={"label": f"{LABEL_NODE}={node_id}"}):
+        # sparse: no inspect per container, which races with removals under way
+        for c in client.containers.list(all=True, sparse=True, filters={"label": LABEL_NODE}):
+            if self.owns_node((c.attrs.get("Labels") or {}).get(LABEL_NODE, "")):
                 with contextlib.suppress(docker.errors.NotFound):
                     c.remove(force=True)
                     removed += 1
         return removed
 
+    def owns_node(self, node_id: str) -> bool:
+        """Whether `node_id` is one of this pool's nodes, local or cloud."""
+        return node_id in self.node_ids or node_id in self.cloud_node_ids
+
 
 # --- dsec up -------------------------------------------------------------------
 
 
-def cmd_up(args: argparse.Namespace) -> int:
-    from dsec.httpkit import stop_on_signals
-
+def up_spec(args: argparse.Namespace) -> LocalPoolSpec:
     if not 1 <= args.nodes <= 250:
         raise UsageError(f"--nodes must be between 1 and 250, got {args.nodes}")
+    return pool_spec(LocalPoolSpec, args, nodes=args.nodes, tls=args.tls)
+
+
+def pool_spec(spec_type: type[Spec], args: argparse.Namespace, **fields: Any) -> Spec:
+    """A pool's spec from the flags `dsec up` and `dsec ray up` share (pool_flags), its
+    config file (--config) and `fields`."""
+    spec = spec_type(**pool_fields(args), **fields)
+    if args.config is not None:
+        _apply_config_file(spec, args.config)
+    return spec
+
+
+def pool_fields(args: argparse.Namespace) -> dict:
+    """The spec's fields from the flags `dsec up` and `dsec ray up` share (pool_flags)."""
+    if not 0 <= args.cloud_nodes <= MAX_CLOUD_NODES:
+        raise UsageError(
+            f"--cloud-nodes must be between 0 and {MAX_CLOUD_NODES}, got {args.cloud_nodes}"
+        )
     try:
         capacity = Capacity(
             cpus=args.cpus_per_node, memory_mb=args.memory_mb_per_node, slots=args.slots_per_node
@@ -396,34 +433,39 @@ def cmd_up(args: argparse.Namespace) -> int:
         params = PoolParams(min_warm=args.min_warm, max_warm=max(args.min_warm, 64))
     except ValidationError as e:
         raise UsageError(describe(e)) from e
-    spec = LocalPoolSpec(
+    return dict(
         name=args.name,
-        nodes=args.nodes,
         port=args.port,
         capacity=capacity,
         pool=params,
         state_dir=args.state_dir,
         metrics_token=args.metrics_token,
-        tls=args.tls,
+        cloud_nodes=args.cloud_nodes,
     )
-    if args.config is not None:
-        _apply_config_file(spec, args.config)
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    return run_pool(LocalPool(up_spec(args)), args.json, "dsec up")
+
+
+def run_pool(pool: LocalPool, as_json: bool, prog: str) -> int:
+    """Start `pool`, print where things are, and run it until a signal or a child's exit."""
+    from dsec.httpkit import stop_on_signals
 
     async def main() -> int:
         stop = stop_on_signals()
-        pool = LocalPool(spec)
         try:
             async with pool:
                 summary = pool.summary()
-                if args.json:
+                if as_json:
                     print(json.dumps(summary), flush=True)
                 else:
                     _print_summary(summary)
                 why = await pool.wait(stop)
         except LocalPoolError as e:  # raised by the start only
-            print(f"dsec up: {e}", file=sys.stderr)
+            print(f"{prog}: {e}", file=sys.stderr)
             return 1
-        print(f"dsec up: {why}; stopped (swept {pool.swept} leftover containers)", file=sys.stderr)
+        print(f"{prog}: {why}; stopped (swept {pool.swept} leftover containers)", file=sys.stderr)
         return 0 if why == "stopped" else 1
 
     return asyncio.run(main())
@@ -444,7 +486,11 @@ def _apply_config_file(spec: LocalPoolSpec, path: Path) -> None:
 
 def _print_summary(summary: dict) -> None:
     print(f"control plane  {summary['url']}")
+    if summary.get("ray"):
+        print(f"ray cluster    {summary['ray']}")
     print(format_table(["node", "url"], [[n["node_id"], n["url"]] for n in summary["nodes"]]))
+    if summary["cloud_nodes"]:
+        print(f"cloud nodes    up to {summary['cloud_nodes']}, started when local passes 80%")
     print(f"metrics        {summary['metrics']}")
     print(f"prometheus sd  {summary['service_discovery']}")
     if summary["metrics_token_file"]:
@@ -460,34 +506,39 @@ def register(sub: argparse._SubParsersAction) -> None:
     """Add `dsec up`."""
     up = sub.add_parser("up", help="run a local multi-node pool until Ctrl-C")
     up.add_argument("--nodes", type=int, default=3)
-    up.add_argument("--name", default="dsec", help="prefix of the node ids; one per pool")
-    up.add_argument("--port", type=int, default=8700, help="control plane port (0: any)")
-    up.add_argument("--slots-per-node", type=int, default=64)
-    up.add_argument("--cpus-per-node", type=float, default=16)
-    up.add_argument("--memory-mb-per-node", type=int, default=65536)
-    up.add_argument("--min-warm", type=int, default=4, help="warm sandboxes in pool 'default'")
-    up.add_argument(
-        "--cloud-nodes",
-        type=int,
-        default=0,
-        help="cloud nodes the pool may start when local nodes pass 80%% utilisation",
-    )
-    up.add_argument("--state-dir", type=Path, default=DEFAULT_STATE_DIR)
-    up.add_argument(
-        "--config",
-        type=Path,
-        help="a JSON file of pools, templates and client quotas (README: client quotas)",
-    )
-    up.add_argument(
-        "--metrics-token",
-        action="store_true",
-        help="/metrics and discovery need a metrics token: $DSEC_METRICS_TOKEN, or a new one "
-        "(then in the env file); on without this flag when that variable is set",
+    pool_flags(
+        up,
+        name="dsec",
+        cloud_help="cloud nodes (agents on 127.0.1.x) the pool may start when local nodes "
+        "pass 80%% utilisation",
     )
     up.add_argument(
         "--tls",
         action="store_true",
         help="every service on HTTPS, with a CA made for this pool (DSEC_CA in the env file)",
     )
-    up.add_argument("--json", action="store_true", help="print where things are as JSON")
     up.set_defaults(run=cmd_up)
+
+
+def pool_flags(parser: argparse.ArgumentParser, name: str, cloud_help: str) -> None:
+    """The flags of a pool's control plane and nodes: `dsec up`'s and `dsec ray up`'s."""
+    parser.add_argument("--name", default=name, help="prefix of the node ids; one per pool")
+    parser.add_argument("--port", type=int, default=8700, help="control plane port (0: any)")
+    parser.add_argument("--slots-per-node", type=int, default=64)
+    parser.add_argument("--cpus-per-node", type=float, default=16)
+    parser.add_argument("--memory-mb-per-node", type=int, default=65536)
+    parser.add_argument("--min-warm", type=int, default=4, help="warm sandboxes in pool 'default'")
+    parser.add_argument("--cloud-nodes", type=int, default=0, help=cloud_help)
+    parser.add_argument("--state-dir", type=Path, default=DEFAULT_STATE_DIR)
+    parser.add_argument(
+        "--config",
+        type=Path,
+        help="a JSON file of pools, templates and client quotas (README: client quotas)",
+    )
+    parser.add_argument(
+        "--metrics-token",
+        action="store_true",
+        help="/metrics and discovery need a metrics token: $DSEC_METRICS_TOKEN, or a new one "
+        "(then in the env file); on without this flag when that variable is set",
+    )
+    parser.add_argument("--json", action="store_true", help="print where things are as JSON")

@@ -1,0 +1,172 @@
+"""`dsec ray up`: the pool on a Ray cluster (the `ray` extra).
+
+It starts the control plane here, as `dsec up` does, with the Ray provider
+(controlplane/ray_cloud.py): the control plane gives every Ray node that offers the
+sandbox-node resource an agent, pinned there and restarted by Ray, and asks Ray's
+autoscaler for cloud nodes when local ones pass the overflow threshold. It waits until
+the agents of the nodes the cluster has now are registered, prints where things are,
+and runs until Ctrl-C, which stops the agents (removing their sandboxes), withdraws any
+request to the autoscaler, and stops the control plane.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import re
+import socket
+from dataclasses import dataclass
+
+from pydantic import ValidationError
+
+from controlplane.cloud import RAY_NODE_PREFIX, RayConfig
+from dsec.cli.common import UsageError, describe
+from dsec.cli.up import LocalPool, LocalPoolSpec, pool_flags, pool_spec, run_pool
+
+NEEDS_RAY = "needs Ray, which is not installed: pip install 'dsec[ray]'"
+CONNECT_TIMEOUT_S = 5.0
+
+
+@dataclass
+class RayPoolSpec(LocalPoolSpec):
+    nodes: int = 0  # none of its own: Ray's nodes have the agents
+    address: str = "auto"
+    node_resource: str = "dsec_node"
+    cloud_resource: str = "dsec_cloud"
+    # sandbox nodes the cluster has at the start: the start waits for their agents
+    expected_nodes: int = 0
+
+
+class RayPool(LocalPool):
+    """A control plane whose nodes are Ray's (RayNodes); LocalPool's start, env file,
+    summary and stop."""
+
+    spec: RayPoolSpec
+
+    def __init__(self, spec: RayPoolSpec) -> None:
+        super().__init__(spec)
+        self.node_prefix = spec.name
+
+    def cloud_config(self) -> RayConfig:
+        return RayConfig(
+            provider="ray",
+            address=self.spec.address,
+            namespace=f"dsec-{self.spec.name}",
+            node_resource=self.spec.node_resource,
+            cloud_resource=self.spec.cloud_resource,
+            node_prefix=self.node_prefix,
+            max_nodes=self.spec.cloud_nodes,
+            idle_release_s=self.spec.cloud_idle_release_s,
+            capacity=self.spec.capacity,
+            state_dir=self.dir,
+            heartbeat_s=self.spec.heartbeat_s,
+        )
+
+    def all_registered(self, healthy: set[str]) -> bool:
+        return len({n for n in healthy if self.owns_node(n)}) >= self.spec.expected_nodes
+
+    def owns_node(self, node_id: str) -> bool:
+        return node_id.startswith(f"{self.node_prefix}-")
+
+    def summary(self) -> dict:
+        nodes = [{"node_id": n["node_id"], "url": n["url"]} for n in self.registered]
+        return {**super().summary(), "ray": self.spec.address, "nodes": nodes}
+
+
+def sandbox_nodes(address: str, node_resource: str) -> tuple[str, int]:
+    """The cluster's address as its nodes know it, and how many of its live nodes offer
+    `node_resource`: a look from a short Ray session of our own."""
+    import ray
+
+    _check_listening(address)
+    try:
+        ray.init(address=address, log_to_driver=False, logging_level=logging.ERROR)
+    except (ConnectionError, ValueError, RuntimeError) as e:
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise UsageError(f"no Ray cluster at {address!r}: {first}") from e
+    try:
+        gcs = ray.get_runtime_context().gcs_address
+        live = [n for n in ray.nodes() if n.get("Alive")]
+        return gcs, sum(1 for n in live if n.get("Resources", {}).get(node_resource, 0) >= 1)
+    finally:
+        ray.shutdown()
+
+
+def _check_listening(address: str) -> None:
+    """A GCS address (host:port) that nothing answers at is refused at once: ray.init
+    would try it for minutes."""
+    host, sep, port = address.rpartition(":")
+    if not sep or "://" in address or not port.isdigit():
+        return  # "auto", or a form Ray resolves itself
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_TIMEOUT_S).close()
+    except OSError as e:
+        raise UsageError(f"no Ray cluster at {address!r}: {e.strerror or e}") from e
+
+
+def cmd_ray_up(args: argparse.Namespace) -> int:
+    try:
+        import ray  # noqa: F401
+    except ImportError:
+        raise UsageError(NEEDS_RAY) from None
+    if not re.match(RAY_NODE_PREFIX, args.name):
+        raise UsageError(
+            f"--name {args.name!r}: lowercase letters, digits and '-', 19 at most "
+            "(node ids are <name>-<12 hex of the Ray node id>)"
+        )
+    spec = pool_spec(
+        RayPoolSpec,
+        args,
+        node_resource=args.node_resource,
+        cloud_resource=args.cloud_resource,
+        cloud_idle_release_s=args.cloud_idle_release_s,
+    )
+    pool = RayPool(spec)
+    try:
+        pool.cloud_config()
+    except ValidationError as e:
+        raise UsageError(describe(e)) from e
+    spec.address, spec.expected_nodes = sandbox_nodes(args.address, args.node_resource)
+    return run_pool(pool, args.json, "dsec ray up")
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add `dsec ray up`."""
+    ray = sub.add_parser("ray", help="the pool on a Ray cluster (the ray extra)")
+    verbs = ray.add_subparsers(dest="ray_command", required=True)
+    up = verbs.add_parser(
+        "up",
+        help="a control plane here and an agent on every Ray node that offers the "
+        "sandbox-node resource, until Ctrl-C",
+    )
+    up.add_argument(
+        "--address",
+        default="auto",
+        help="the Ray cluster (host:port of its GCS; default: $RAY_ADDRESS, or the one "
+        "this machine runs)",
+    )
+    up.add_argument(
+        "--node-resource",
+        default="dsec_node",
+        help="the custom resource a Ray node offers to be a sandbox node "
+        "(ray start --resources='{\"dsec_node\": 1}')",
+    )
+    up.add_argument(
+        "--cloud-resource",
+        default="dsec_cloud",
+        help="the resource of the autoscaler's node type for cloud nodes (offered beside "
+        "the sandbox-node resource)",
+    )
+    pool_flags(
+        up,
+        name="ray",
+        cloud_help="cloud nodes the pool may ask Ray's autoscaler for when local nodes "
+        "pass 80%% utilisation",
+    )
+    up.add_argument(
+        "--cloud-idle-release-s",
+        type=float,
+        default=60.0,
+        help="a cloud node empty this long is given back to the autoscaler",
+    )
+    up.set_defaults(run=cmd_ray_up)
