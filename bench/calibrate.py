@@ -9,15 +9,17 @@ time, which is the lease call). Restore is a create plus unpacking a work dir.
 
 The machine's cores are shared by everything its engine runs, so durations depend on
 load. Creates and removes are also timed CONCURRENCY at a time, and warm acquires
-while LOAD_LEVELS background loops keep the pool busy as a replay does (each loop: a
-cold acquire, which an agent creates, an exec, a release, which it removes, over and
-over: one engine operation always under way per loop). Acquires at load 0 take
-sandboxes from a warm pool that does not refill, so that not even their own refill
-runs meanwhile. Levels are measured in turns, a few acquires each, so that a change
-in the machine's other load touches all of them. The pool has as many nodes as a
-replay's (`--nodes`). An exec start's weight as load, against a create's, is the
+while LOAD_LEVELS engine operations are under way beside the pool (threads creating
+and removing containers with the agent's own calls: load as the simulator counts it).
+Acquires take sandboxes from a warm pool that does not refill, so that not even their
+own refill runs meanwhile. Levels are measured in turns, a few acquires each, so that
+a change in the machine's other load touches all of them. The pool has as many nodes
+as a replay's (`--nodes`). An exec start's weight as load, against a create's, is the
 slowdown of cold acquires beside EXEC_LOOPS loops of execs over that of creates beside
-as many creates.
+as many creates. A command in flight loads the machine too, through the agent and the
+client that carry it: warm acquires are also timed beside COMMAND_SANDBOXES sandboxes
+running `sleep` again and again, and the operations' worth of load that slows them as
+much, shared out among the commands, is a command's weight.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import aiohttp
@@ -50,7 +52,10 @@ from dsec.image import BASE_IMAGE, ensure_base_image
 from dsec.models import Capacity, PoolParams, TemplateSpec
 
 CONCURRENCY = (2, 4, 8)  # creates and removes timed this many at a time, besides one at a time
-LOAD_LEVELS = (0, 1, 2, 4)  # background loops while warm acquires are timed
+LOAD_LEVELS = (0, 1, 2, 4)  # engine operations under way while warm acquires are timed
+COMMAND_SANDBOXES = 32  # sandboxes running commands while warm acquires are timed
+COMMAND_S = 1.0  # how long each of their commands runs
+MAX_EQUIVALENT_LOAD = 256  # the most operations' worth of load a measurement may come to
 BATCH = 10  # warm sandboxes per turn of acquires
 # a warm acquire's tail is the schedule latency's: leases get this many times the samples
 LEASE_SAMPLES_FACTOR = 3
@@ -175,35 +180,75 @@ def docker_samples(engine: Engine, n: int) -> tuple[Samples, LoadedSamples, floa
     return samples, loaded, create_rate
 
 
-class LoadLoops:
-    """`k` background loops keeping the pool's agents and engine busy as a replay does:
-    acquire a sandbox cold (the agent creates it), exec `true` in it, release it (the
-    agent removes it); one engine operation under way per loop at any time. Through
-    the agents, not beside them: their Docker calls share the agent's process (and its
-    interpreter lock) with the lease calls being timed."""
+class EngineLoad:
+    """`k` threads keeping `k` operations under way on the engine, beside the pool: each
+    creates a container with the agent's own create, removes it, and again. Load as the
+    simulator counts it (operations its engine runs)."""
 
-    def __init__(self, client: Client, pool: str) -> None:
-        self.client = client
-        self.pool = pool
-        self.stopping = asyncio.Event()
-        self.tasks: list[asyncio.Task] = []
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.stopping = threading.Event()
+        self.threads: list[threading.Thread] = []
+        self.errors: list[BaseException] = []
 
-    async def _loop(self) -> None:
-        while not self.stopping.is_set():
-            async with self.client.sandbox(pool=self.pool) as sandbox:
-                await sandbox.exec(["true"])
+    def _loop(self) -> None:
+        try:
+            while not self.stopping.is_set():
+                self.engine.driver.remove(self.engine.create())
+        except BaseException as e:  # re-raised by stop, on the caller's thread
+            self.errors.append(e)
 
     def start(self, k: int) -> None:
         self.stopping.clear()
-        self.tasks = [asyncio.create_task(self._loop()) for _ in range(k)]
+        self.threads = [threading.Thread(target=self._loop) for _ in range(k)]
+        for thread in self.threads:
+            thread.start()
+
+    async def stop(self) -> None:
+        self.stopping.set()
+        for thread in self.threads:
+            await asyncio.to_thread(thread.join)
+        self.threads = []
+        if self.errors:
+            raise self.errors[0]
+
+
+class CommandLoad:
+    """COMMAND_SANDBOXES held sandboxes, each running `sleep COMMAND_S` again and again
+    while started: commands in flight, as a replay's episodes keep them, which load the
+    machine through the agents and the client that carry them."""
+
+    def __init__(self, client: Client, pool: str) -> None:
+        self.client, self.pool = client, pool
+        self.held: list[Sandbox] = []
+        self.stopping = asyncio.Event()
+        self.tasks: list[asyncio.Task] = []
+
+    async def open(self) -> None:
+        self.held = [await self.client.acquire(pool=self.pool) for _ in range(COMMAND_SANDBOXES)]
+
+    async def _loop(self, sandbox: Sandbox) -> None:
+        while not self.stopping.is_set():
+            await sandbox.exec(["sleep", str(COMMAND_S)])
+
+    def start(self) -> None:
+        self.stopping.clear()
+        self.tasks = [asyncio.create_task(self._loop(sb)) for sb in self.held]
 
     async def stop(self) -> None:
         self.stopping.set()
         await asyncio.gather(*self.tasks)
         self.tasks = []
 
+    async def close(self) -> None:
+        await asyncio.gather(*(sb.release() for sb in self.held))
 
-async def pool_samples(n: int, nodes: int) -> tuple[Samples, LoadedSamples, LoadedSamples]:
+
+async def pool_samples(
+    engine: Engine, n: int, nodes: int
+) -> tuple[Samples, LoadedSamples, LoadedSamples, list[float]]:
+    """The exec and lease samples, alone and under load, the cold acquires beside exec
+    loops, and warm acquires beside commands in flight."""
     spec = LocalPoolSpec(
         name=f"calibrate-{uuid.uuid4().hex[:6]}", nodes=nodes, port=0,
         capacity=Capacity(cpus=64, memory_mb=65536, slots=64),
@@ -211,6 +256,7 @@ async def pool_samples(n: int, nodes: int) -> tuple[Samples, LoadedSamples, Load
     )  # fmt: skip
     samples: Samples = {"exec": []}
     by_level: dict[int, list[float]] = {k: [] for k in LOAD_LEVELS}
+    beside_commands: list[float] = []
     async with (
         LocalPool(spec) as pool,
         Client(pool.url, token=pool.tokens.admin) as operator,
@@ -223,14 +269,24 @@ async def pool_samples(n: int, nodes: int) -> tuple[Samples, LoadedSamples, Load
                 started = time.perf_counter()
                 await sb.exec(["true"])
                 samples["exec"].append(time.perf_counter() - started)
-        loops = LoadLoops(client, "load")
-        leases = n * LEASE_SAMPLES_FACTOR
-        while min(len(s) for s in by_level.values()) < leases:
-            for k in LOAD_LEVELS:
-                by_level[k] += await _acquire_turn(operator, client, loops, k)
+        engine_load, commands = EngineLoad(engine), CommandLoad(client, "load")
+        await commands.open()
+        try:
+            leases = n * LEASE_SAMPLES_FACTOR
+            while min(len(s) for s in (*by_level.values(), beside_commands)) < leases:
+                for k in LOAD_LEVELS:
+                    by_level[k] += await _acquire_turn(
+                        operator, client, lambda k=k: engine_load.start(k), engine_load.stop
+                    )
+                beside_commands += await _acquire_turn(
+                    operator, client, commands.start, commands.stop
+                )
+        finally:
+            await commands.close()
         cold = await _cold_beside_execs(client, n)
     samples["lease"] = by_level[0][:leases]
-    return samples, {"lease": {k: by_level[k][:leases] for k in LOAD_LEVELS if k}}, cold
+    under_load = {"lease": {k: by_level[k][:leases] for k in LOAD_LEVELS if k}}
+    return samples, under_load, cold, beside_commands[:leases]
 
 
 async def _cold_beside_execs(client: Client, n: int) -> dict[int, list[float]]:
@@ -273,13 +329,16 @@ def exec_weight(create_slowdown: Callable[[float], float], cold: dict[int, list[
     return max(0.0, beside_execs / beside_creates)
 
 
-async def _acquire_turn(operator: Client, client: Client, loops: LoadLoops, k: int) -> list[float]:
-    """BATCH warm acquires' schedule times while k background loops run; the warm pool
-    does not refill meanwhile."""
+async def _acquire_turn(
+    operator: Client, client: Client, start: Callable[[], None], stop: Callable[[], Awaitable]
+) -> list[float]:
+    """BATCH warm acquires' schedule times while a background load runs (`start`ed
+    once the sandboxes are warm, `stop`ped after); the warm pool does not refill
+    meanwhile."""
     await operator.set_pool("calibrate", PoolParams(min_warm=BATCH, templates=["base"]))
     await _wait_warm(client, "calibrate", BATCH)
     await operator.set_pool("calibrate", PoolParams(min_warm=0, max_warm=0, templates=["base"]))
-    loops.start(k)
+    start()
     got: list[Sandbox] = []
     try:
         await asyncio.sleep(LOAD_SETTLE_S)
@@ -287,9 +346,32 @@ async def _acquire_turn(operator: Client, client: Client, loops: LoadLoops, k: i
             got.append(await client.acquire(pool="calibrate"))
             await asyncio.sleep(ACQUIRE_GAP_S)
     finally:
-        await loops.stop()
+        await stop()
         await asyncio.gather(*(sb.release() for sb in got))
     return [sb.lease.schedule_ms / 1000 for sb in got if sb.lease.path == "warm"]
+
+
+def equivalent_load(slowdown: Callable[[float], float], ratio: float) -> float:
+    """The load (operations under way) at which `slowdown` reaches `ratio`: it grows
+    with the load, so halving the interval finds it; 0 if `ratio` is not above 1."""
+    if ratio <= 1.0:
+        return 0.0
+    low, high = 0.0, float(MAX_EQUIVALENT_LOAD)
+    if slowdown(high) <= ratio:
+        return high
+    for _ in range(50):
+        middle = (low + high) / 2
+        low, high = (middle, high) if slowdown(middle) < ratio else (low, middle)
+    return (low + high) / 2
+
+
+def command_weight(lease_slowdown: Callable[[float], float], alone: list[float],
+                   beside_commands: list[float]) -> float:  # fmt: skip
+    """How many operations' worth of load one command in flight is: the load at which
+    leases slow down as much as they did beside COMMAND_SANDBOXES commands, shared
+    out among them."""
+    ratio = statistics.median(beside_commands) / statistics.median(alone)
+    return equivalent_load(lease_slowdown, ratio) / COMMAND_SANDBOXES
 
 
 def calibrate(n: int, nodes: int = DEFAULT_NODES) -> Profile:
@@ -298,10 +380,10 @@ def calibrate(n: int, nodes: int = DEFAULT_NODES) -> Profile:
     engine = Engine()
     try:
         samples, under_load, create_rate = docker_samples(engine, n)
+        pooled, pooled_loaded, cold, beside_commands = asyncio.run(pool_samples(engine, n, nodes))
     finally:
         engine.sweep()
         engine.driver.close()
-    pooled, pooled_loaded, cold = asyncio.run(pool_samples(n, nodes))
     samples.update(pooled)
     under_load.update(pooled_loaded)
     # a restore is a create plus unpacking the work dir through an exec
@@ -310,6 +392,10 @@ def calibrate(n: int, nodes: int = DEFAULT_NODES) -> Profile:
     profile = Profile(samples, engine_concurrency=LIFECYCLE_SLOTS,
                       under_load=under_load, create_rate_per_s=round(create_rate, 2))  # fmt: skip
     profile.exec_weight = round(exec_weight(lambda k: profile.slowdown("create", k), cold), 3)
+    profile.command_weight = round(
+        command_weight(lambda k: profile.slowdown("lease", k), samples["lease"], beside_commands),
+        4,
+    )
     profile.source = (
         f"calibrated here, {n} samples per operation and load; cold acquire median "
         f"{statistics.median(cold[0]) * 1000:.0f} ms alone, "
@@ -332,6 +418,7 @@ def describe(profile: Profile) -> str:
     lines = [
         profile.source,
         f"exec weight {profile.exec_weight} (creates' worth of load)",
+        f"command weight {profile.command_weight} (operations' worth of load in flight)",
         f"engine create rate {profile.create_rate_per_s} a second at most",
     ]
     lines += [f"{op:8} {med_max(profile.samples[op])}" for op in OPS]

@@ -23,11 +23,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import sys
 from pathlib import Path
 
 from bench.calibrate import CALIBRATE_ERRORS, calibrate
+from bench.records import RunResult
 from bench.replay_live import ReplayError, default_pool_spec, replay_live
 from bench.report import build_report, write_report
 from bench.runargs import add_run_arguments, load_run
@@ -38,6 +40,13 @@ from dsec.cli.up import LocalPoolSpec
 from dsec.trace import TraceError
 
 FIGURES = ("p50_ms", "p95_ms", "utilisation")
+RECORDS_FILE = "records.jsonl"  # every episode as played, beside each side's report
+
+
+def write_records(result: RunResult, path: Path) -> None:
+    """One JSON line per episode (bench.records.EpisodeRecord): when it was asked for,
+    served and given back, its path and its execs, to tell where two runs part."""
+    path.write_text("".join(json.dumps(dataclasses.asdict(r)) + "\n" for r in result.records))
 
 
 def relative_error(sim: float | None, live: float | None) -> float | None:
@@ -79,8 +88,9 @@ def fidelity(episodes, spec: LocalPoolSpec, *, time_scale: float, seed: int,
         )
         for s in range(seed, seed + sim_seeds)
     ]
-    write_report(live, out / "live")
-    write_report(sims[0], out / "sim")
+    for side, run in (("live", live), ("sim", sims[0])):
+        write_report(run, out / side)
+        write_records(run, out / side / RECORDS_FILE)
     per_seed = [figures_of(build_report(sim)) for sim in sims]
     figures = {
         "live": figures_of(build_report(live)),

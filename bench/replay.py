@@ -1,7 +1,8 @@
 """`dsec bench replay` and `dsec bench compare`.
 
     dsec bench replay --trace FILE --mode live|sim [--url URL] [--policy NAME] [--nodes N]
-        [--slots-per-node S] [--cloud-nodes M] [--time-scale X] [--seed S] [--out DIR] [--json]
+        [--slots-per-node S] [--cloud-nodes M] [--time-scale X] [--seed S] [--horizon-s T]
+        [--out DIR] [--json]
     dsec bench compare --reports DIR1 DIR2 ... [--out DIR] [--json]
 
 A replay writes its report directory (report.json, latencies.json, report.md and PNG plots;
@@ -60,6 +61,11 @@ def add_replay_arguments(parser: argparse.ArgumentParser) -> None:
         "--time-scale", type=float, default=1.0, help="multiply every trace time; 0.1 is 10x faster"
     )
     parser.add_argument("--seed", type=int, default=0, help="sim: the simulator's seed")
+    parser.add_argument(
+        "--horizon-s",
+        type=float,
+        help="sim: stop at this simulated time (replay seconds); what still runs is unreleased",
+    )
     parser.add_argument("--out", type=Path, help="report directory (default out/POLICY-MODE)")
     parser.add_argument("--json", action="store_true", help="print report.json")
 
@@ -75,6 +81,11 @@ def _bad_replay_flags(args: argparse.Namespace) -> str | None:
         return f"--time-scale must be a finite number > 0, got {args.time_scale}"
     if args.url is not None and args.mode == "sim":
         return "--url is for --mode live"
+    if args.horizon_s is not None:
+        if args.mode != "sim":
+            return "--horizon-s is for --mode sim"
+        if not (math.isfinite(args.horizon_s) and args.horizon_s > 0):
+            return f"--horizon-s must be a finite number > 0, got {args.horizon_s}"
     return None
 
 
@@ -143,6 +154,7 @@ def run_replay(args: argparse.Namespace) -> int:
             seed=args.seed,
             time_scale=args.time_scale,
             params=_pool_params(episodes, args),
+            horizon_s=args.horizon_s,
             progress=not args.json,
         )
         result.meta["trace"] = args.trace  # the simulator is given episodes, not their file

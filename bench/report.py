@@ -2,7 +2,8 @@
 several reports (one per policy) in one table and one latency plot.
 
 ``report.json`` holds the fields DESIGN.md names: ``schedule_latency_ms`` (p50, p95, p99,
-max and the same ``by_path``), ``utilisation``, ``queue_wait_share``, ``episodes_per_hour``,
+max and the same ``by_path``), ``utilisation``, ``queue_wait_share``, ``episodes_per_hour``
+(per hour of trace time: a time-scaled replay's span divided by its time scale),
 ``sandbox_seconds`` (local, cloud), ``scale_events``, what the run was (``trace``,
 ``policy``, ``params``, ``mode``, ``seed``, ``time_scale``, ...) and ``episodes`` (total,
 completed, failed). Next to it, ``latencies.json`` keeps every schedule latency by path, so
@@ -80,6 +81,9 @@ def build_report(result: RunResult) -> dict[str, Any]:
     completed = sum(1 for r in records if r.completed)
     releases = [r.released_at_s for r in records if r.released_at_s is not None]
     span_s = max(releases) - min(r.requested_at_s for r in records) if releases else 0.0
+    # in trace time: a replay at time scale 0.1 plays an hour of the trace in 6 minutes,
+    # and its rate is the trace's, not ten times it
+    trace_span_s = span_s / (result.meta.get("time_scale") or 1.0)
 
     sandbox_seconds = {
         kind: round(result.sandbox_seconds.get(kind, 0.0), 3) for kind in ("local", "cloud")
@@ -99,7 +103,7 @@ def build_report(result: RunResult) -> dict[str, Any]:
         },
         "utilisation": _ratio(result.busy_seconds, sum(result.sandbox_seconds.values())),
         "queue_wait_share": _ratio(waited_s, held_s),
-        "episodes_per_hour": _ratio(completed * 3600.0, span_s, digits=1),
+        "episodes_per_hour": _ratio(completed * 3600.0, trace_span_s, digits=1),
         "sandbox_seconds": sandbox_seconds,
         "scale_events": dict(sorted(result.scale_events.items())),
     }

@@ -14,7 +14,9 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 from pydantic import ValidationError
@@ -42,16 +44,45 @@ def parse_param(text: str) -> tuple[str, list[float]]:
         raise ValueError(f"--param {name}: values must be numbers, got {values!r}") from None
 
 
+def p99_of(row: dict) -> float:
+    """A run's p99 schedule latency; inf for a run that scheduled nothing, which is then
+    never the better one."""
+    return math.inf if row["p99_ms"] is None else row["p99_ms"]
+
+
 def pareto_front(rows: list[dict]) -> list[dict]:
     """Runs no other run beats on both p99 latency and sandbox-seconds."""
     return [
         r for r in rows
         if not any(
-            o["p99_ms"] <= r["p99_ms"] and o["sandbox_seconds"] <= r["sandbox_seconds"]
-            and (o["p99_ms"], o["sandbox_seconds"]) != (r["p99_ms"], r["sandbox_seconds"])
+            p99_of(o) <= p99_of(r) and o["sandbox_seconds"] <= r["sandbox_seconds"]
+            and (p99_of(o), o["sandbox_seconds"]) != (p99_of(r), r["sandbox_seconds"])
             for o in rows
         )
     ]  # fmt: skip
+
+
+FIGURES = ("p50_ms", "p95_ms", "p99_ms", "queue_wait", "sandbox_seconds", "utilisation",
+           "episodes_per_hour", "failed")  # fmt: skip
+
+
+def figures(report: dict) -> dict:
+    """What a sweep or a tune compares runs on, from a run's report.json (latencies are
+    None when nothing was scheduled)."""
+    latency = report["schedule_latency_ms"]
+    return {
+        "p50_ms": latency["p50"], "p95_ms": latency["p95"], "p99_ms": latency["p99"],
+        "queue_wait": report["queue_wait_share"] or 0.0,
+        "sandbox_seconds": round(sum(report["sandbox_seconds"].values()), 1),
+        "utilisation": report["utilisation"],
+        "episodes_per_hour": report["episodes_per_hour"],
+        "failed": report["episodes"]["failed"],
+    }  # fmt: skip
+
+
+def measure(episodes, params: PoolParams, **sim) -> dict:
+    """One simulated run of `episodes` with pool parameters `params`: its figures."""
+    return figures(build_report(simulate(episodes, params=params, **sim)))
 
 
 def sweep(episodes, grid: dict[str, list[float]], base: PoolParams, **sim) -> list[dict]:
@@ -60,52 +91,62 @@ def sweep(episodes, grid: dict[str, list[float]], base: PoolParams, **sim) -> li
     for values in itertools.product(*(grid[n] for n in names)):
         combo = dict(zip(names, values, strict=True))
         params = PoolParams.model_validate(base.model_dump() | combo)
-        report = build_report(simulate(episodes, params=params, **sim))
-        latency = report["schedule_latency_ms"]
-        rows.append({
-            **combo,
-            "p50_ms": latency["p50"], "p99_ms": latency["p99"],
-            "sandbox_seconds": round(sum(report["sandbox_seconds"].values()), 1),
-            "utilisation": report["utilisation"],
-            "episodes_per_hour": report["episodes_per_hour"],
-        })  # fmt: skip
+        rows.append({**combo, **measure(episodes, params, **sim)})
     front = pareto_front(rows)
     for r in rows:
         r["pareto"] = r in front
     return rows
 
 
-def plot_pareto(rows: list[dict], path: Path) -> Path:
+def plot_pareto(rows: list[dict], path: Path, *, marks: Sequence[tuple[str, dict]] = (),
+                target_ms: float | None = None,
+                title: str = "Parameter sweep: latency against cost") -> Path:  # fmt: skip
+    """Every run, the Pareto front, and `marks`: (label, run) drawn apart (the first as a
+    star), with the latency target as a line. Runs that scheduled nothing are left out."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    front = sorted((r for r in rows if r["pareto"]), key=lambda r: r["sandbox_seconds"])
-    ax.scatter([r["sandbox_seconds"] for r in rows], [r["p99_ms"] for r in rows],
+    drawn = [r for r in rows if r["p99_ms"] is not None]
+    fig, ax = plt.subplots(figsize=(8, 5))
+    front = sorted((r for r in drawn if r["pareto"]), key=lambda r: r["sandbox_seconds"])
+    ax.scatter([r["sandbox_seconds"] for r in drawn], [r["p99_ms"] for r in drawn],
                color="0.6", label="runs")  # fmt: skip
     ax.plot([r["sandbox_seconds"] for r in front], [r["p99_ms"] for r in front], "o-",
             color="tab:red", label="Pareto front")  # fmt: skip
+    for (label, row), marker in zip(marks, itertools.cycle("*sDv^<>PX"), strict=False):
+        if row["p99_ms"] is not None:
+            ax.scatter([row["sandbox_seconds"]], [row["p99_ms"]], marker=marker, zorder=3,
+                       s=220 if marker == "*" else 70, label=label)  # fmt: skip
+    if target_ms is not None:
+        ax.axhline(target_ms, linestyle="--", color="tab:green", label=f"target {target_ms:g} ms")
+    latencies = [r["p99_ms"] for r in drawn] + [row["p99_ms"] for _, row in marks
+                                                if row["p99_ms"] is not None]  # fmt: skip
+    if latencies and min(latencies) > 0 and max(latencies) > 100 * min(latencies):
+        ax.set_yscale("log")  # dsec's few ms beside a queueing baseline's minutes
     ax.set_xlabel("sandbox-seconds (cost)")
     ax.set_ylabel("p99 schedule latency (ms)")
-    ax.set_title("Parameter sweep: latency against cost")
-    ax.legend()
+    ax.set_title(title)
+    ax.legend(fontsize="small")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
 
 
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
 def render(rows: list[dict]) -> str:
-    measured = ("p50_ms", "p99_ms", "sandbox_seconds", "utilisation", "episodes_per_hour", "pareto")
-    names = [k for k in rows[0] if k not in measured]
+    names = [k for k in rows[0] if k not in (*FIGURES, "pareto")]
     headers = [*names, "p50 ms", "p99 ms", "sandbox-s", "utilisation", "episodes/h", "pareto"]
     lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
-    for r in sorted(rows, key=lambda r: (r["sandbox_seconds"], r["p99_ms"])):
-        cells = [*(f"{r[n]:g}" for n in names), f"{r['p50_ms']:.1f}", f"{r['p99_ms']:.1f}",
-                 f"{r['sandbox_seconds']:.0f}", f"{r['utilisation']:.3f}",
-                 f"{r['episodes_per_hour']:.0f}", "*" if r["pareto"] else ""]  # fmt: skip
+    for r in sorted(rows, key=lambda r: (r["sandbox_seconds"], p99_of(r))):
+        cells = [*(f"{r[n]:g}" for n in names), _ms(r["p50_ms"]), _ms(r["p99_ms"]),
+                 f"{r['sandbox_seconds']:.0f}", f"{r['utilisation'] or 0:.3f}",
+                 f"{r['episodes_per_hour'] or 0:.0f}", "*" if r["pareto"] else ""]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -124,10 +124,11 @@ def test_queue_wait_share_is_waiting_over_request_to_release_of_served_episodes(
     assert build_report(hand_made_run())["queue_wait_share"] == round(3.5 / 27.0, 4)
 
 
-def test_episodes_per_hour_counts_completed_episodes_over_the_runs_span():
+def test_episodes_per_hour_counts_completed_episodes_over_the_runs_span_in_trace_time():
     # two completed episodes between the first request (0 s) and the last release (12 s)
+    # of a replay at time scale 0.5: 24 s of the trace
     report = build_report(hand_made_run())
-    assert report["episodes_per_hour"] == 2 * 3600 / 12
+    assert report["episodes_per_hour"] == 2 * 3600 / 24
     assert report["episodes"] == {"total": 4, "completed": 2, "failed": 2}
 
 
@@ -218,7 +219,7 @@ def test_compare_overlays_reports_and_tabulates_them(tmp_path):
         "p99_ms": 2000.0,
         "utilisation": 0.25,
         "queue_wait_share": round(3.5 / 27, 4),
-        "episodes_per_hour": 600.0,
+        "episodes_per_hour": 300.0,  # in trace time: the replay ran at time scale 0.5
         "sandbox_seconds_local": 30.0,
         "sandbox_seconds_cloud": 6.0,
     }

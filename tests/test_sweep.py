@@ -22,6 +22,11 @@ def test_the_pareto_front_keeps_what_nothing_beats_on_both():
         {"p99_ms": 1, "sandbox_seconds": 300},
     ]
     assert pareto_front(rows) == [rows[0], rows[1], rows[3]]
+    # a run that scheduled nothing has no latency: any run as cheap beats it
+    nothing = {"p99_ms": None, "sandbox_seconds": 100}
+    assert nothing not in pareto_front([*rows, nothing])
+    cheaper = {"p99_ms": None, "sandbox_seconds": 50}
+    assert pareto_front([nothing, cheaper]) == [cheaper]
 
 
 @pytest.mark.parametrize("text", ["warm_fraction", "nope=1,2", "templates=1", "min_warm=a,b"])
@@ -30,12 +35,16 @@ def test_bad_params_are_refused(text):
         parse_param(text)
 
 
-@pytest.fixture
-def trace(tmp_path):
-    path = tmp_path / "t.jsonl"
+def short_trace(path):
+    """40 Poisson arrivals, one every 2 s: a trace the simulator plays in under a second."""
     dump_trace(generate(kind="poisson", n=40, rate_per_s=0.5, seed=1, lifetime_p50_s=20,
                         lifetime_p99_s=80, mean_step_s=5), path)  # fmt: skip
     return path
+
+
+@pytest.fixture
+def trace(tmp_path):
+    return short_trace(tmp_path / "t.jsonl")
 
 
 def test_a_sweep_runs_every_combination_and_plots(tmp_path, trace, capsys):

@@ -27,7 +27,7 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
-from agent.engine import CreateLimit, EngineQueue, Work
+from agent.engine import CREATES, CreateLimit, EngineQueue, Work
 from agent.report import ReportSequence
 from bench.sim.profile import Profile
 from controlplane.agents import OK, AgentAddress, CallResult
@@ -113,34 +113,49 @@ class Engine:
     """One machine's Docker engine, its cores shared out among what it runs.
 
     Jobs (operations, and lease calls, which do not count as engine load) go at the
-    speed the profile measured for the load of the moment; exec starts are load too,
-    as windows of time given in advance. Whenever the load changes, every job's work
-    left is brought up to date and its speed set anew: processor sharing, with the
-    measured slowdowns."""
+    speed the profile measured for the load of the moment. Commands in sandboxes are
+    load too, as windows of time given in advance: an exec's start (the engine's part
+    of it) at the profile's `exec_weight`, and a command in flight, whatever it runs,
+    at its `command_weight` (the agent's and the client's share of the machine).
+    Whenever the load changes, every job's work left is brought up to date and its
+    speed set anew: processor sharing, with the measured slowdowns."""
 
     def __init__(self, profile: Profile) -> None:
         self.profile = profile
         self.running = 0  # jobs that count as load
         self.jobs: set[Job] = set()
-        # exec starts, as two heaps of times: those started minus those ended is what runs
-        self._exec_starts: list[float] = []
-        self._exec_ends: list[float] = []
-        self._execs = 0
+        # windows of load as a heap of (time, change, kind): kind 0 an exec's start,
+        # 1 a command in flight; in_windows[kind] is how many are open
+        self._edges: list[tuple[float, int, int]] = []
+        self._weights = (profile.exec_weight, profile.command_weight)
+        self.in_windows = [0, 0]
         self._last = 0.0  # when the jobs' work left was last brought up to date
         self._wakeup: asyncio.TimerHandle | None = None
 
     def exec_window(self, start_s: float, end_s: float) -> None:
         """An exec's engine work, from `start_s` (now or later) to `end_s`."""
-        heapq.heappush(self._exec_starts, start_s)
-        heapq.heappush(self._exec_ends, end_s)
+        self._window(start_s, end_s, 0)
+
+    def command_window(self, start_s: float, end_s: float) -> None:
+        """A command in a sandbox, from `start_s` (now or later) to `end_s`."""
+        if self._weights[1]:
+            self._window(start_s, end_s, 1)
+
+    def _window(self, start_s: float, end_s: float, kind: int) -> None:
+        heapq.heappush(self._edges, (start_s, 1, kind))
+        heapq.heappush(self._edges, (end_s, -1, kind))
         if self.jobs:
             self._schedule(asyncio.get_running_loop())
 
     def load(self, now: float) -> float:
-        """How many operations run at `now` (which never goes back), exec starts counted
-        at the profile's weight."""
+        """How many operations run at `now` (which never goes back), with what runs in
+        sandboxes at its weight."""
         self._catch_up(now)
-        return self.running + self.profile.exec_weight * self._execs
+        return self._load()
+
+    def _load(self) -> float:
+        execs, commands = self.in_windows
+        return self.running + self._weights[0] * execs + self._weights[1] * commands
 
     async def run(self, op: str, rng: random.Random, counts: bool = True) -> None:
         """Do `op`: its measured duration under the load at its start, stretched or
@@ -165,26 +180,15 @@ class Engine:
         self.running -= job.counts
 
     def _catch_up(self, now: float) -> None:
-        """Bring every job's work left up to `now`, exec window by exec window."""
-        while True:
-            starts, ends = self._exec_starts, self._exec_ends
-            edge = min(starts[0] if starts else now, ends[0] if ends else now, now)
-            self._advance(edge)
-            if edge == now:
-                break
-            if starts and starts[0] == edge:
-                heapq.heappop(starts)
-                self._execs += 1
-            else:
-                heapq.heappop(ends)
-                self._execs -= 1
-            self._set_speeds()
-        while self._exec_starts and self._exec_starts[0] <= now:
-            heapq.heappop(self._exec_starts)
-            self._execs += 1
-        while self._exec_ends and self._exec_ends[0] <= now:
-            heapq.heappop(self._exec_ends)
-            self._execs -= 1
+        """Bring every job's work left up to `now`, window edge by window edge."""
+        edges = self._edges
+        while edges and edges[0][0] <= now:
+            at, change, kind = heapq.heappop(edges)
+            self._advance(at)
+            self.in_windows[kind] += change
+            if self.jobs:
+                self._set_speeds()
+        self._advance(now)
 
     def _advance(self, until: float) -> None:
         elapsed = until - self._last
@@ -194,14 +198,16 @@ class Engine:
         self._last = max(self._last, until)
 
     def _set_speeds(self) -> None:
-        load = self.running + self.profile.exec_weight * self._execs
+        load = self._load()
         for job in self.jobs:
             job.speed = 1.0 / self.profile.slowdown(job.op, load - job.counts)
         cap = self.profile.create_rate_per_s
         creates = [job for job in self.jobs if job.op == "create"]
         if cap and creates:
             # the engine completes no more creates a second than measured, however many
-            # run: past that, each goes slower in proportion
+            # run: past that, each goes slower in proportion. What else it runs (exec
+            # starts, removals) takes its share of that throughput, as of its time
+            cap *= len(creates) / max(load, len(creates))
             rate = sum(job.speed / job.work for job in creates if job.work > 0)
             if rate > cap:
                 for job in creates:
@@ -218,9 +224,8 @@ class Engine:
         if not self.jobs:
             return
         at = min(now + max(0.0, job.left) / job.speed for job in self.jobs)
-        for edges in (self._exec_starts, self._exec_ends):
-            if edges:
-                at = min(at, edges[0])
+        if self._edges:
+            at = min(at, self._edges[0][0])
         self._wakeup = loop.call_at(max(now, at), self._wake, loop)
 
     def _wake(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -244,9 +249,11 @@ class SimNode:
     ) -> None:
         self.id, self.kind, self.capacity, self.engine = node_id, kind, capacity, engine
         self.images = images
-        # the agent's engine queue: its threads for Docker calls, in the live agent's order
-        limit = CreateLimit(concurrency, concurrency, concurrency)
-        self.queue = EngineQueue(concurrency, limit, lambda: asyncio.get_event_loop().time())
+        # the agent's engine queue, in the live agent's order, its creates bounded by the
+        # limit it measures as live (agent/docker_driver.py: AsyncDocker)
+        self.queue = EngineQueue(
+            concurrency, CreateLimit(), lambda: asyncio.get_event_loop().time()
+        )
         self.sandboxes: dict[str, SimSandbox] = {}
         self.used = Resources()
         self.down = False  # unreachable: calls fail, heartbeats stop
@@ -277,6 +284,9 @@ class SimAgents:
     shared_engine: bool
     nodes: dict[str, SimNode] = field(default_factory=dict)
     background: set[asyncio.Task] = field(default_factory=set)  # removals under way
+    # told of every sandbox made ready (created, thawed, reset) and how long that took:
+    # the simulator's control plane decides on it that much sooner (bench/sim/ticks.py)
+    on_ready: Callable[[float], None] | None = None
     _engine: Engine | None = None
 
     def add_node(self, node_id: str, kind: str, capacity: Resources, images: set[str]) -> SimNode:
@@ -372,7 +382,11 @@ class SimAgents:
 
     async def _engine_op(self, node: SimNode, op: str, work: Work) -> None:
         async with node.queue.turn(work):
+            started = asyncio.get_running_loop().time()
             await self._take(op, node)
+            if work in CREATES:
+                took = asyncio.get_running_loop().time() - started
+                node.queue.creates.observe(took, node.queue.creating())
 
     def _node(self, address: AgentAddress, op: str) -> SimNode | CallResult:
         """The node a call goes to, or the answer its agent gives instead (it is down or
@@ -434,7 +448,12 @@ class SimAgents:
         work = Work.CREATE_FOR_REQUEST if spec.for_request else Work.CREATE_WARM
         await self._engine_op(node, "create", work)
         sb.state = S.WARM
+        self._ready(sb.created_at)
         return CallResult(True, 201, "ok", "")
+
+    def _ready(self, since: float) -> None:
+        if self.on_ready is not None:
+            self.on_ready(asyncio.get_running_loop().time() - since)
 
     async def _lease(
         self, node: SimNode, sandbox_id: str, sb: SimSandbox, grant: LeaseGrant
@@ -465,9 +484,11 @@ class SimAgents:
         return OK
 
     async def _unpause(self, node: SimNode, sandbox_id: str, sb: SimSandbox) -> CallResult:
+        started = asyncio.get_running_loop().time()
         await self._take("unpause", node)
         if sb.state in THAWED_FROM:
             sb.state, sb.frozen_at = THAWED_FROM[sb.state], None
+        self._ready(started)
         return OK
 
     async def _hibernate(self, node: SimNode, sandbox_id: str, sb: SimSandbox) -> CallResult:
@@ -488,12 +509,14 @@ class SimAgents:
             return OK  # a retry of a reset that is done
         if sb.lease is None or sb.lease.lease_id != req.lease_id or sb.state not in ASSIGNED:
             return CallResult(False, 409, "lease_mismatch", f"{sandbox_id} is not that lease's")
+        started = asyncio.get_running_loop().time()
         if sb.state == S.LEASED_PAUSED:
             await self._take("unpause", node)
         await self._take("exec", node)
         sb.state, sb.frozen_at = S.WARM, None
         sb.leased(None)
         sb.busy_until = max(sb.busy_until, asyncio.get_running_loop().time())
+        self._ready(started)
         return OK
 
     async def _destroy(self, node: SimNode, sandbox_id: str, sb: SimSandbox) -> CallResult:
@@ -517,15 +540,36 @@ class SimAgents:
     def run_command(
         self, node_id: str, sandbox_id: str, start_s: float, engine_s: float, took_s: float
     ) -> None:
-        """A command in a sandbox from `start_s` for `took_s`, its first `engine_s` the
-        engine's work (counted as load only when the profile says load matters)."""
+        """One command from `start_s`: see run_commands."""
+        self.run_commands(node_id, sandbox_id, start_s, [0.0], [engine_s], [took_s])
+
+    def run_commands(
+        self,
+        node_id: str,
+        sandbox_id: str,
+        start_s: float,
+        thinks: list[float],
+        engine_s: list[float],
+        took: list[float],
+    ) -> float:
+        """Commands in a sandbox from `start_s`, one after another, each after its think:
+        the i-th takes took[i], its first engine_s[i] the engine's work (counted as load
+        only when the profile says load matters). Returns how long they all take."""
         node = self.nodes[node_id]
         if self.profile.contended:
-            node.engine.exec_window(start_s, start_s + engine_s)
+            at = start_s
+            for think, engine, command in zip(thinks, engine_s, took, strict=True):
+                at += think
+                node.engine.exec_window(at, at + engine)
+                node.engine.command_window(at, at + command)
+                at += command
+        busy_s = sum(took)
+        duration = sum(thinks) + busy_s
         sb = node.sandboxes.get(sandbox_id)
         if sb is not None:
-            sb.busy_s += took_s
-            sb.busy_until = max(sb.busy_until, start_s + took_s)
+            sb.busy_s += busy_s
+            sb.busy_until = max(sb.busy_until, start_s + duration)
+        return duration
 
     async def thaw_for_exec(self, node_id: str, sandbox_id: str) -> bool:
         """What the agent does on an exec into a frozen lease; True if it had to thaw."""

@@ -22,9 +22,11 @@ import time
 from collections.abc import Callable
 
 from bench.records import EpisodeRecord, RunResult, TimelineSample
+from bench.replay_live import SETTLE_POLL_S, SETTLE_TIMEOUT_S
 from bench.sim.agents import SimAgents
 from bench.sim.loop import VirtualClock, VirtualTimeLoop
 from bench.sim.profile import Profile
+from bench.sim.ticks import SHARE, Ticks
 from controlplane.config import ControlPlaneConfig
 from controlplane.metrics import ControlPlaneMetrics
 from controlplane.scheduler import build_scheduler
@@ -33,6 +35,7 @@ from dsec.httpkit import ApiError
 from dsec.models import AcquireRequest, PoolParams
 from dsec.policy import Resources
 from dsec.states import ASSIGNED, OCCUPYING
+from dsec.states import SandboxState as S
 from dsec.trace import Episode
 
 SIM_TOKEN = "simulated-agent-token-0000"
@@ -53,6 +56,7 @@ def simulate(
     shared_engine: bool = False,
     tick_s: float = 0.25,
     min_tick_gap_s: float = 0.0,
+    decide_within: float = SHARE,
     sample_s: float = 1.0,
     heartbeat_s: float = 1.0,
     horizon_s: float | None = None,
@@ -62,7 +66,9 @@ def simulate(
     """Play `episodes` against `nodes` simulated nodes (plus `cloud_nodes` cloud ones,
     present from the start) under `policy`; every pool the trace names gets `params`.
     With `horizon_s`, stop at that simulated time: episodes still running then are
-    recorded unreleased."""
+    recorded unreleased. `decide_within`: how much of a wait or of a sandbox's making a
+    decision about it may be put off, so that events share ticks (bench/sim/ticks.py;
+    0: a tick on every event, as live)."""
     loop = VirtualTimeLoop()
     try:
         return loop.run_until_complete(
@@ -71,6 +77,7 @@ def simulate(
                 cloud_nodes=cloud_nodes, seed=seed, time_scale=time_scale,
                 params=params or PoolParams(), profile=profile or Profile.default(seed=seed),
                 shared_engine=shared_engine, tick_s=tick_s, min_tick_gap_s=min_tick_gap_s,
+                decide_within=decide_within,
                 sample_s=sample_s, heartbeat_s=heartbeat_s,
                 horizon_s=horizon_s, trace_name=trace_name, progress=progress,
             )
@@ -100,6 +107,8 @@ async def _simulate(loop: VirtualTimeLoop, episodes: list[Episode], **o) -> RunR
         config, agents, clock, policy=make_policy(o["policy"]), confirm_grace_s=0
     )
     view, metrics = scheduler.view, scheduler.metrics
+    ticks = Ticks(scheduler, o["decide_within"])
+    agents.on_ready = ticks.ready
     capacity = Resources(cpus=1e4, memory_mb=1 << 40, slots=o["slots_per_node"])
     image = config.templates["base"].image
     for i in range(o["nodes"] + o["cloud_nodes"]):
@@ -116,13 +125,20 @@ async def _simulate(loop: VirtualTimeLoop, episodes: list[Episode], **o) -> RunR
         end_of_trace = min(end_of_trace, o["horizon_s"])
     report_progress = _progress(o["progress"], end_of_trace)
 
+    started_at = [0.0]  # when the replay starts, once the pool has settled
+
+    def since() -> float:
+        """Replay time: what a record's times count from, as live."""
+        return clock.now() - started_at[0]
+
     async def play(episode: Episode) -> None:
-        await asyncio.sleep(max(0.0, episode.arrival_s * scale - clock.now()))
+        await asyncio.sleep(max(0.0, episode.arrival_s * scale - since()))
         record = EpisodeRecord(
             episode=episode.episode, pool=episode.pool, template=episode.template,
-            arrival_s=episode.arrival_s * scale, requested_at_s=clock.now(),
+            arrival_s=episode.arrival_s * scale, requested_at_s=since(),
         )  # fmt: skip
         records.append(record)
+        ticks.arrival(episode.pool)
         try:
             lease = await scheduler.leases.acquire(
                 AcquireRequest(pool=episode.pool, template=episode.template,
@@ -131,47 +147,69 @@ async def _simulate(loop: VirtualTimeLoop, episodes: list[Episode], **o) -> RunR
         except ApiError as e:
             record.error = f"{e.code}: {e.message}"
             return
-        record.acquired_at_s = clock.now()
+        record.acquired_at_s = since()
         record.schedule_ms, record.path, record.node = lease.schedule_ms, lease.path, lease.node
         record.node_kind = agents.nodes[lease.node].kind
         await hold(episode, lease.id, lease.node, record, params.lease_idle_freeze_s)
         await scheduler.leases.release(lease.id, lease.lease_token)
-        record.released_at_s = clock.now()
+        record.released_at_s = since()
 
     async def hold(episode, sandbox_id, node_id, record, freeze_after_s) -> None:
-        pending_s = 0.0  # think and exec not yet played out
-        for step in episode.steps:
-            think, work = step.think_s * scale, step.exec_s * scale
-            if think >= freeze_after_s:  # long enough for the policy to freeze the lease
-                await asyncio.sleep(pending_s + think)
-                pending_s = 0.0
-                record.idle_s += think
+        steps = episode.steps
+        thinks = [step.think_s * scale for step in steps]
+        overheads = o["profile"].draws("exec", rng, len(steps))
+        record.exec_s = [step.exec_s * scale + e for step, e in zip(steps, overheads, strict=True)]
+        record.idle_s, record.busy_s = sum(thinks), sum(record.exec_s)
+        busy[0] += record.busy_s
+        # played in stretches: a think long enough for the policy to freeze the lease is
+        # played out (it sees the lease idle; the next exec pays the thaw); the steps
+        # between are handed to the agent at once and held as one sleep
+        cuts = [i for i, think in enumerate(thinks) if think >= freeze_after_s]
+        bounds = [0, *cuts, len(steps)]
+        pending_s = 0.0  # what is handed over and not yet played out
+        for lo, hi in zip(bounds, bounds[1:], strict=False):
+            if lo == hi:
+                continue
+            first_think = thinks[lo]
+            if first_think >= freeze_after_s:
+                await asyncio.sleep(pending_s + first_think)
+                pending_s = first_think = 0.0
                 await agents.thaw_for_exec(node_id, sandbox_id)  # its next report says so
-            else:
-                pending_s += think
-                record.idle_s += think
-            overhead = o["profile"].draw("exec", rng)
-            took = work + overhead
-            agents.run_command(node_id, sandbox_id, clock.now() + pending_s, overhead, took)
-            record.exec_s.append(took)
-            record.busy_s += took
-            busy[0] += took
-            pending_s += took
+            pending_s += agents.run_commands(
+                node_id, sandbox_id, clock.now() + pending_s,
+                [first_think, *thinks[lo + 1 : hi]], overheads[lo:hi], record.exec_s[lo:hi],
+            )  # fmt: skip
         await asyncio.sleep(pending_s)
+
+    def by_state() -> dict[str, int]:
+        return {str(s): len(m) for s, m in view.by_state.items() if m and s != S.GONE}
 
     async def sample() -> None:
         while True:
-            by_state = {str(s): len(m) for s, m in view.by_state.items() if m}
             leased = sum(len(view.by_state[s]) for s in ASSIGNED)
             alive = sum(len(view.by_state[s]) for s in OCCUPYING)
             depth = sum(scheduler.queues.depth(p) for p in pool_names)
-            timeline.append(TimelineSample(clock.now(), depth, by_state, leased, alive))
-            report_progress(clock.now())
+            timeline.append(TimelineSample(since(), depth, by_state(), leased, alive))
+            report_progress(since())
             await asyncio.sleep(o["sample_s"])
 
+    async def settle() -> None:
+        """As a live replay starts (bench.replay_live): once the pool has made its warm
+        sandboxes and its counts held still between two looks."""
+        previous = None
+        while clock.now() < SETTLE_TIMEOUT_S:
+            await asyncio.sleep(SETTLE_POLL_S)
+            counts = by_state()
+            if counts == previous and not counts.get(S.CREATING):
+                return
+            previous = counts
+
     await agents.start()
-    ticking = asyncio.ensure_future(scheduler.run_forever())
+    ticking = asyncio.ensure_future(ticks.run_forever())
     beating = asyncio.ensure_future(agents.heartbeat_forever(scheduler.on_report, o["heartbeat_s"]))
+    await settle()
+    started_at[0] = clock.now()
+    warm_up = _accounts(metrics)  # the pool's own accounting counts from here, as live
     sampling = asyncio.ensure_future(sample())
     playing = asyncio.gather(*(play(e) for e in episodes))
     try:
@@ -182,28 +220,40 @@ async def _simulate(loop: VirtualTimeLoop, episodes: list[Episode], **o) -> RunR
     for task in in_flight:
         task.cancel()  # at the horizon, what is in flight stays unfinished
     await asyncio.gather(*in_flight, return_exceptions=True)
-    scheduler.tick()  # account the last stretch of sandbox-seconds
+    scheduler.sandbox_seconds.account(clock.now())  # the last stretch of sandbox-seconds
     report_progress(None)
+    sandbox_seconds, scale_events = (
+        {k: v - before.get(k, 0.0) for k, v in after.items()}
+        for after, before in zip(_accounts(metrics), warm_up, strict=True)
+    )
 
     return RunResult(
         records=sorted(records, key=lambda r: (r.arrival_s, r.episode)),
         timeline=timeline,
-        sandbox_seconds=_by_label(metrics, "dsec_sandbox_node_seconds_total", "kind"),
+        sandbox_seconds=sandbox_seconds,
         busy_seconds=busy[0],
-        scale_events={
-            k: int(v) for k, v in _by_label(metrics, "dsec_scale_events_total", "action").items()
-        },
+        scale_events={k: round(v) for k, v in scale_events.items() if v >= 0.5},
         meta={
             "trace": o["trace_name"], "policy": o["policy"],
             "params": params.model_dump(), "mode": "sim", "seed": o["seed"],
             "time_scale": scale, "nodes": o["nodes"], "cloud_nodes": o["cloud_nodes"],
             "slots_per_node": o["slots_per_node"], "profile": o["profile"].source,
             "shared_engine": o["shared_engine"],
-            "min_tick_gap_s": o["min_tick_gap_s"], "heartbeat_s": o["heartbeat_s"],
+            "min_tick_gap_s": o["min_tick_gap_s"], "decide_within": o["decide_within"],
+            "heartbeat_s": o["heartbeat_s"],
             "wall_s": round(time.perf_counter() - started_wall, 3),
-            "simulated_s": round(clock.now(), 3),
+            "simulated_s": round(since(), 3),
+            "settled_after_s": round(started_at[0], 3),
         },
     )  # fmt: skip
+
+
+def _accounts(metrics: ControlPlaneMetrics) -> tuple[dict[str, float], dict[str, float]]:
+    """The pool's sandbox-seconds by node kind and scale events by action, so far."""
+    return (
+        _by_label(metrics, "dsec_sandbox_node_seconds_total", "kind"),
+        _by_label(metrics, "dsec_scale_events_total", "action"),
+    )
 
 
 def _by_label(metrics: ControlPlaneMetrics, name: str, label: str) -> dict[str, float]:

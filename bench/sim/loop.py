@@ -21,13 +21,18 @@ class _SkipAheadSelector(selectors.DefaultSelector):
         self._loop = loop
 
     def select(self, timeout: float | None = None):
-        ready = super().select(0)
-        if ready or timeout == 0:  # timeout 0: callbacks are ready to run
-            return ready
         if self._loop.in_threads:
+            ready = super().select(0)
+            if ready or timeout == 0:  # timeout 0: callbacks are ready to run
+                return ready
             # a worker thread's work (a file written) takes no virtual time: the clock
             # waits for it, as it would for any other step of the code
             return super().select(THREAD_WAIT_S)
+        # with no thread out, nothing but a thread's answer comes in through the loop's
+        # files (virtual time has no sockets): no need to ask the kernel
+        ready = []
+        if timeout == 0:  # callbacks are ready to run
+            return ready
         if timeout is None:
             raise RuntimeError("virtual time stands still: nothing is scheduled and nothing runs")
         self._loop.virtual_now += timeout

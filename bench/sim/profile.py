@@ -55,6 +55,9 @@ class Profile:
     # the most creates a second one engine completes, however many it runs at once
     # (measured flat from 3 to 32 at once here); None: only the slowdowns bound it
     create_rate_per_s: float | None = None
+    # how many operations' worth of load a command in flight in a sandbox is, whatever
+    # it runs (the agent and the client that carry it share the machine's cores)
+    command_weight: float = 0.0
 
     def __post_init__(self) -> None:
         # op -> the measured loads, 0 first, and the median duration at each
@@ -82,6 +85,10 @@ class Profile:
         """A duration of `op` as measured under `measured_load(op, load)` others."""
         k = self.measured_load(op, load)
         return rng.choice(self.under_load[op][k] if k else self.samples[op])
+
+    def draws(self, op: str, rng: random.Random, n: int) -> list[float]:
+        """`n` durations of `op` as measured alone, in one call."""
+        return rng.choices(self.samples[op], k=n)
 
     def slowdown(self, op: str, load: float) -> float:
         """How much longer `op` takes with `load` others under way than alone: the
@@ -113,6 +120,7 @@ class Profile:
             "engine_concurrency": self.engine_concurrency,
             "exec_weight": self.exec_weight,
             "create_rate_per_s": self.create_rate_per_s,
+            "command_weight": self.command_weight,
             "samples": self.samples,
             "under_load": {
                 op: {str(k): s for k, s in by_k.items()} for op, by_k in self.under_load.items()
@@ -143,4 +151,5 @@ class Profile:
             under_load,
             float(data.get("exec_weight", 1.0)),
             data.get("create_rate_per_s"),
+            float(data.get("command_weight", 0.0)),
         )

@@ -10,6 +10,7 @@ from bench.generate import add_generate_arguments, run_generate
 from bench.replay import add_compare_arguments, add_replay_arguments, run_compare, run_replay
 from bench.report_scale import add_report_scale_arguments, run_report_scale
 from bench.sweep import add_sweep_arguments, run_sweep
+from bench.tune import add_tune_arguments, run_tune
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -21,6 +22,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         ("replay", "replay a trace live or in the simulator", add_replay_arguments, run_replay),
         ("compare", "compare replay reports", add_compare_arguments, run_compare),
         ("sweep", "sweep pool parameters in the simulator", add_sweep_arguments, run_sweep),
+        (
+            "tune",
+            "search pool parameters for a latency target at the least cost, then check live",
+            add_tune_arguments,
+            run_tune,
+        ),
         ("fidelity", "the simulator against a live replay", add_fidelity_arguments, run_fidelity),
         ("calibrate", "measure Docker into a sim profile", add_calibrate_arguments, run_calibrate),
         (
