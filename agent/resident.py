@@ -107,7 +107,6 @@ class ResidentProcess:
         self.names = [f"{command_id}.{part}" for part in ("cmd", "out", "err", "rc")]
         self.chunks: asyncio.Queue[tuple[int, bytes] | None] = asyncio.Queue(CHUNKS_AHEAD)
         self.code: int | None = None
-        self.fds: list[int] = []  # opened here, closed by close() unless handed to a transport
         self.transports: list[asyncio.ReadTransport] = []
         self.holders: dict[str, int] = {}  # our write ends, held until the loop's copy has its own
         self.tasks: list[asyncio.Task] = []
@@ -129,11 +128,10 @@ class ResidentProcess:
         loop = asyncio.get_running_loop()
         readers = []
         for name in (out, err, rc):
-            self.fds.append(_open_fifo(d, name, os.O_RDONLY))
+            pipe = os.fdopen(_open_fifo(d, name, os.O_RDONLY), "rb", buffering=0)
             reader = asyncio.StreamReader(limit=CHUNK)
             transport, _ = await loop.connect_read_pipe(
-                lambda r=reader: asyncio.StreamReaderProtocol(r),
-                os.fdopen(self.fds.pop(), "rb", buffering=0),
+                lambda r=reader: asyncio.StreamReaderProtocol(r), pipe
             )
             self.transports.append(transport)
             readers.append(reader)
@@ -207,9 +205,6 @@ class ResidentProcess:
         self._release()
         for transport in self.transports:
             transport.close()
-        for fd in self.fds:
-            os.close(fd)
-        self.fds = []
         os.close(self.dir_fd)
 
 
