@@ -344,15 +344,30 @@ class AsyncDocker:
         return await self.call("exec_start", create_and_attach, work)
 
     async def start_detached(
-        self, container_id: str, cmd: list[str], *, user: str, work: Work
-    ) -> None:
-        """Start `cmd` in the container and leave it running there."""
+        self,
+        container_id: str,
+        cmd: list[str],
+        *,
+        user: str,
+        work: Work,
+        hold: Callable[[], contextlib.AbstractAsyncContextManager[bool]],
+    ) -> bool:
+        """Start `cmd` in the container and leave it running there; whether it started.
+        `hold()` is entered once the engine admits the work and held until the exec has
+        started; the exec starts only if it yields True. An exec that starts while the
+        container is being paused hangs in the engine for good (runc joins a frozen
+        cgroup), and so does everything after it on that container: the caller's hold
+        keeps pauses out meanwhile."""
 
-        async def create_and_start() -> None:
-            exec_ = await self._container(container_id).exec(cmd, user=user)
-            await exec_.start(detach=True)
+        async def create_and_start() -> bool:
+            async with hold() as may_start:
+                if not may_start:
+                    return False
+                exec_ = await self._container(container_id).exec(cmd, user=user)
+                await exec_.start(detach=True)
+                return True
 
-        await self.call("exec_detached", create_and_start, work)
+        return await self.call("exec_detached", create_and_start, work)
 
     async def run(
         self,

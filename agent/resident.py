@@ -36,13 +36,14 @@ import os
 import secrets
 import shlex
 import shutil
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from agent.docker_driver import RESIDENT_MOUNT as MOUNT
 from agent.docker_driver import STDERR, STDOUT, DockerOpError, Process
 from agent.engine import Work
+from dsec.states import SandboxState
 
 if TYPE_CHECKING:
     from agent.node import Agent
@@ -56,6 +57,8 @@ CHUNK = 1 << 16
 CHUNKS_AHEAD = 4
 RC_LINE_MAX = 64  # a status line's bytes read; the shell writes a few
 STARTED = b"started"
+# a loop starts in a running container: a frozen one would hang its exec in the engine
+LOOP_STATES = frozenset({SandboxState.WARM, SandboxState.LEASED})
 KILLED_EXIT_CODE = 137  # a command whose waiting copy of the loop was killed: as SIGKILL's
 
 # Reads ids from ctl; for each, a copy of the loop opens ID.rc, says "started" there,
@@ -270,18 +273,21 @@ class Resident:
         container_id = sandbox.record.container_id
 
         async def start() -> None:
+            started = True
             try:
-                await agent.docker.start_detached(
+                started = await agent.docker.start_detached(
                     container_id,
                     ["sh", f"{MOUNT}/serve"],
                     user=sandbox.spec.user,
                     work=Work.RESIDENT,
+                    hold=lambda: _unchanging(sandbox, container_id),
                 )
-            except DockerOpError as e:  # paused, gone, or no sh: commands take the engine's exec
+            except DockerOpError as e:  # gone, or no sh: commands take the engine's exec
                 agent.docker_failed(e)
             finally:
                 self.starting.discard(sandbox.id)
-                sandbox.resident_tried_at = agent.clock.now()
+                if started:  # one not started now may be the next exec's to start
+                    sandbox.resident_tried_at = agent.clock.now()
 
         task = asyncio.ensure_future(start())
         agent.operations.add(task)
@@ -317,6 +323,18 @@ class Resident:
         running.add(proc)
         proc.on_close = lambda: _forget(self.running, sandbox.id, proc)
         return proc
+
+
+@contextlib.asynccontextmanager
+async def _unchanging(sandbox: Sandbox, container_id: str) -> AsyncIterator[bool]:
+    """Whether the loop may start now, holding the sandbox meanwhile: not while another
+    operation has it (a pause, a thaw, a reset, a release: this lowest work never waits
+    for them, nor makes a lease wait), nor once it is frozen, gone or in a new container."""
+    if sandbox.lock.locked() or sandbox.state not in LOOP_STATES:
+        yield False
+        return
+    async with sandbox.lock:
+        yield sandbox.record.container_id == container_id
 
 
 def _forget(running: dict[str, set[ResidentProcess]], sandbox_id: str, proc: ResidentProcess):

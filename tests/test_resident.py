@@ -10,19 +10,41 @@ to write its exit code); one the engine started has its parent outside the sandb
 from __future__ import annotations
 
 import asyncio
+import uuid
 from collections.abc import AsyncIterator
 
 import pytest
 import pytest_asyncio
-from conftest import eventually, make_spec, started_pool
+from conftest import (
+    STARTED_POOLS,
+    TEST_POOL_PREFIX,
+    eventually,
+    make_spec,
+    pool_containers,
+    started_pool,
+)
+from inprocess import inprocess_agent
+
+from agent.docker_driver import AsyncDocker
 
 from dsec.cli.up import LocalPool
 from dsec.client import Client, Sandbox
+from dsec.clock import SystemClock
+from dsec.image import BASE_IMAGE
+from dsec.models import CreateSandbox, TemplateSpec
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 PARENT = ["sh", "-c", "[ $PPID = 0 ] && echo engine || tr '\\0' ' ' </proc/$PPID/cmdline"]
 THROUGH_LOOP, THROUGH_ENGINE = "sh /.dsec/serve", "engine"
+# the oldest process running the loop's script is the loop (the rest are its copies)
+KILL_LOOP = [
+    "sh",
+    "-c",
+    """for p in $(ls /proc | sort -n); do
+      [ "$(tr '\\0' ' ' < /proc/$p/cmdline)" = "sh /.dsec/serve " ] && kill $p && exit 0
+    done 2>/dev/null; exit 1""",
+]
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
@@ -103,11 +125,7 @@ async def test_the_loops_directory_is_read_only_to_the_sandbox(sb):
 
 
 async def test_a_killed_loop_leaves_commands_to_the_engine_and_comes_back(sb):
-    # the oldest process running the loop's script is the loop (the rest are its copies)
-    kill = """for p in $(ls /proc | sort -n); do
-      [ "$(tr '\\0' ' ' < /proc/$p/cmdline)" = "sh /.dsec/serve " ] && kill $p && exit 0
-    done 2>/dev/null; exit 1"""
-    killed = await sb.exec(["sh", "-c", kill], timeout=10)
+    killed = await sb.exec(KILL_LOOP, timeout=10)
     assert killed.exit_code == 0, killed
     assert await parent_of_command(sb) == THROUGH_ENGINE
     assert (await sb.exec(["echo", "ok"])).stdout == "ok\n"
@@ -137,3 +155,58 @@ async def test_the_loops_directory_goes_with_its_sandbox(pool):
             return not path.exists()
 
         await eventually(gone, timeout=30)
+
+
+async def test_the_loop_never_starts_while_the_sandbox_is_being_paused(docker_client, tmp_path):
+    """An exec that starts while its container is being paused hangs in the engine for
+    good (runc joins a frozen cgroup), and so does every later call on that container,
+    its removal too. A pause holds the sandbox's lock: the loop waits for its turn."""
+    node = f"{TEST_POOL_PREFIX}{uuid.uuid4().hex[:8]}"
+    STARTED_POOLS.add(node)
+    docker = AsyncDocker(SystemClock(), lambda op, took: None)
+    async with inprocess_agent(tmp_path, docker, node_id=node) as running:
+        agent = running.agent
+        req = CreateSandbox(
+            sandbox_id=f"{node}.{uuid.uuid4().hex[:16]}",
+            pool="default",
+            template=TemplateSpec(name="base", image=BASE_IMAGE),
+            request_id="r1",
+        )
+        sandbox, _ = await agent.create(req)
+        try:
+            await _loop_waits_for_the_sandbox(agent, sandbox, docker_client)
+        finally:
+            await agent.remove_all()
+    await docker.close()
+    assert not pool_containers(docker_client, node)
+
+
+async def _loop_waits_for_the_sandbox(agent, sandbox, docker_client) -> None:
+    """The scenario of the test above, on a sandbox of an agent in this process."""
+    container = docker_client.containers.get(sandbox.record.container_id)
+
+    def loops() -> int:
+        top = container.top(ps_args="-o pid,args")["Processes"] or []
+        return sum(1 for _, args in top if args == THROUGH_LOOP)
+
+    def execs() -> list[str]:  # every exec the engine made in it (kept for a while)
+        container.reload()
+        return container.attrs["ExecIDs"] or []
+
+    await eventually(lambda: not agent.resident.starting, "the first start is done")
+    assert loops() == 1
+    assert container.exec_run(KILL_LOOP, user="1000:1000").exit_code == 0  # a tenant may
+    await eventually(lambda: loops() == 0, "the loop is gone")
+    before = execs()
+    async with sandbox.lock:  # as a pause in flight holds it
+        sandbox.resident_tried_at = None
+        agent.resident.ensure_loop(sandbox)
+        await eventually(lambda: not agent.resident.starting, "the start gave way")
+        assert execs() == before and loops() == 0
+    await agent.pause(sandbox.id)  # a frozen sandbox gets no loop either
+    agent.resident.ensure_loop(sandbox)
+    await eventually(lambda: not agent.resident.starting, "the start gave way")
+    assert execs() == before and container.status == "paused"
+    await agent.unpause(sandbox.id)
+    agent.resident.ensure_loop(sandbox)  # the next command's fallback asks again
+    await eventually(lambda: loops() == 1, "the loop starts once the sandbox is free")
