@@ -26,7 +26,6 @@ from conftest import (
 from inprocess import inprocess_agent
 
 from agent.docker_driver import AsyncDocker
-
 from dsec.cli.up import LocalPool
 from dsec.client import Client, Sandbox
 from dsec.clock import SystemClock
