@@ -46,6 +46,7 @@ os.environ.setdefault("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1")
 
 import ray  # noqa: E402
 from ray.autoscaler.sdk import request_resources  # noqa: E402
+from ray.exceptions import ActorUnavailableError  # noqa: E402
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # noqa: E402
 
 from controlplane.cloud import RayConfig  # noqa: E402
@@ -301,9 +302,12 @@ class RayNodes:
             agent = self.agents[probes[ref]]
             try:
                 ray.get(ref)
-                agent.probe = agent.actor.ready.remote()
+            except ActorUnavailableError:
+                pass  # Ray is restarting it (its agent died): asked again next look
             except Exception as e:
                 failed[probes[ref]] = str(e).splitlines()[0] if str(e) else type(e).__name__
+                continue
+            agent.probe = agent.actor.ready.remote()
         return failed
 
     def _start_agent(self, ray_id: str, kind: NodeKind) -> RayAgent:

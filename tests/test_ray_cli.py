@@ -53,6 +53,40 @@ def test_dsec_ray_up_refuses_an_address_where_no_cluster_listens(capsys):
     assert err.startswith("dsec ray: no Ray cluster at '127.0.0.1:1'"), err
 
 
+@pytest.mark.skipif(not has_ray, reason="needs the ray extra")
+@pytest.mark.parametrize(
+    ("flags", "says"),
+    [
+        (["--host", "0.0.0.0"], "--host 0.0.0.0 listens on every address"),
+        (["--host", "::"], "say which with --advertise-url"),
+        (["--advertise-url", "http://0.0.0.0:8700"], "--advertise-url: 'http://0.0.0.0:8700'"),
+        (["--advertise-url", "https://10.0.0.1"], "the control plane serves http://"),
+        (["--agent-urls", "http://10.1.0.0/16,ftp://x"], "'ftp://x' is not an agent URL rule"),
+    ],
+)
+def test_dsec_ray_up_refuses_an_address_it_cannot_be_reached_at(flags, says, capsys):
+    # refused before any look for the cluster (at an address where none listens)
+    assert main(["ray", "up", "--address", "127.0.0.1:1", *flags]) == 2
+    err = capsys.readouterr().err
+    assert says in err and "no Ray cluster" not in err, err
+
+
+@pytest.mark.skipif(not has_ray, reason="needs the ray extra")
+def test_dsec_ray_up_tells_its_control_plane_where_it_listens_and_which_agents_to_take():
+    from dsec.cli.ray import RayPool, RayPoolSpec
+
+    spec = RayPoolSpec(
+        host="0.0.0.0", advertise_url="http://10.0.0.5", agent_urls=["http://10.1.0.0/16"]
+    )
+    pool = RayPool(spec)
+    settings = pool.controlplane_settings()
+    assert settings["host"] == "0.0.0.0"
+    assert settings["agent_urls"][-1] == "http://10.1.0.0/16"
+    assert "http://127.0.0.0/8" in settings["agent_urls"]  # its own machine's nodes too
+    assert pool.controlplane_args() == ["--advertise-url", "http://10.0.0.5"]
+    ControlPlaneConfig(**TOKENS, **settings)  # the config it writes is valid
+
+
 def test_the_cloud_setting_picks_its_provider():
     assert isinstance(ControlPlaneConfig(**TOKENS, cloud={"max_nodes": 2}).cloud, CloudConfig)
     with pytest.raises(ValidationError, match="does not match any of the expected tags"):

@@ -15,11 +15,14 @@ import argparse
 import logging
 import re
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
-from pydantic import ValidationError
+from pydantic import TypeAdapter, ValidationError
 
 from controlplane.cloud import RAY_NODE_PREFIX, RayConfig
+from controlplane.identities import LOOPBACK_AGENT_URLS, AgentUrlRule
+from dsec.addresses import advertised_url, check_advertise_url, listens_everywhere
 from dsec.cli.common import UsageError, describe
 from dsec.cli.up import LocalPool, LocalPoolSpec, pool_flags, pool_spec, run_pool
 
@@ -35,6 +38,12 @@ class RayPoolSpec(LocalPoolSpec):
     cloud_resource: str = "dsec_cloud"
     # sandbox nodes the cluster has at the start: the start waits for their agents
     expected_nodes: int = 0
+    # where the control plane listens, and the URL agents on other nodes register at
+    host: str = "127.0.0.1"
+    advertise_url: str | None = None
+    # the addresses agents may report (agent_urls rules) beside loopback and the sandbox
+    # nodes the cluster has at the start
+    agent_urls: list[str] = field(default_factory=list)
 
 
 class RayPool(LocalPool):
@@ -62,6 +71,21 @@ class RayPool(LocalPool):
             heartbeat_s=self.spec.heartbeat_s,
         )
 
+    def controlplane_settings(self) -> dict[str, Any]:
+        return {
+            "host": self.spec.host,
+            "agent_urls": [*LOOPBACK_AGENT_URLS, *self.spec.agent_urls],
+        }
+
+    def controlplane_args(self) -> list[str]:
+        url = self.spec.advertise_url
+        return ["--advertise-url", url] if url else []
+
+    @property
+    def url(self) -> str:
+        """Where clients and agents reach the control plane: its advertised URL if any."""
+        return advertised_url(super().url, self.spec.advertise_url)
+
     def all_registered(self, healthy: set[str]) -> bool:
         return len({n for n in healthy if self.owns_node(n)}) >= self.spec.expected_nodes
 
@@ -73,9 +97,9 @@ class RayPool(LocalPool):
         return {**super().summary(), "ray": self.spec.address, "nodes": nodes}
 
 
-def sandbox_nodes(address: str, node_resource: str) -> tuple[str, int]:
-    """The cluster's address as its nodes know it, and how many of its live nodes offer
-    `node_resource`: a look from a short Ray session of our own."""
+def sandbox_nodes(address: str, node_resource: str) -> tuple[str, list[str]]:
+    """The cluster's address as its nodes know it, and the addresses of its live nodes
+    that offer `node_resource`: a look from a short Ray session of our own."""
     import ray
 
     _check_listening(address)
@@ -87,7 +111,8 @@ def sandbox_nodes(address: str, node_resource: str) -> tuple[str, int]:
     try:
         gcs = ray.get_runtime_context().gcs_address
         live = [n for n in ray.nodes() if n.get("Alive")]
-        return gcs, sum(1 for n in live if n.get("Resources", {}).get(node_resource, 0) >= 1)
+        offering = [n for n in live if n.get("Resources", {}).get(node_resource, 0) >= 1]
+        return gcs, [n["NodeManagerAddress"] for n in offering]
     finally:
         ray.shutdown()
 
@@ -114,20 +139,46 @@ def cmd_ray_up(args: argparse.Namespace) -> int:
             f"--name {args.name!r}: lowercase letters, digits and '-', 19 at most "
             "(node ids are <name>-<12 hex of the Ray node id>)"
         )
+    advertise = _advertise_url(args.host, args.advertise_url)
     spec = pool_spec(
         RayPoolSpec,
         args,
         node_resource=args.node_resource,
         cloud_resource=args.cloud_resource,
         cloud_idle_release_s=args.cloud_idle_release_s,
+        host=args.host,
+        advertise_url=advertise,
+        agent_urls=args.agent_urls,
     )
     pool = RayPool(spec)
     try:
         pool.cloud_config()
+        TypeAdapter(list[AgentUrlRule]).validate_python(spec.agent_urls)
     except ValidationError as e:
         raise UsageError(describe(e)) from e
-    spec.address, spec.expected_nodes = sandbox_nodes(args.address, args.node_resource)
+    spec.address, addresses = sandbox_nodes(args.address, args.node_resource)
+    spec.expected_nodes = len(addresses)
+    # the agents of the nodes there now report the address Ray knows each node by
+    spec.agent_urls = [*spec.agent_urls, *sorted({f"http://{a}" for a in addresses})]
     return run_pool(pool, args.json, "dsec ray up")
+
+
+def _advertise_url(host: str, url: str | None) -> str | None:
+    """--advertise-url, checked; needed when --host names no one address."""
+    if url is None:
+        if listens_everywhere(host):
+            raise UsageError(
+                f"--host {host} listens on every address, which is no address for the "
+                "agents on Ray's nodes to register at: say which with --advertise-url"
+            )
+        return None
+    try:
+        url = check_advertise_url(url)
+    except ValueError as e:
+        raise UsageError(f"--advertise-url: {e}") from e
+    if not url.startswith("http://"):
+        raise UsageError(f"--advertise-url {url}: the control plane serves http://, not that")
+    return url
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -162,6 +213,23 @@ def register(sub: argparse._SubParsersAction) -> None:
         name="ray",
         cloud_help="cloud nodes the pool may ask Ray's autoscaler for when local nodes "
         "pass 80%% utilisation",
+    )
+    up.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="where the control plane listens (0.0.0.0: every address, with --advertise-url)",
+    )
+    up.add_argument(
+        "--advertise-url",
+        help="the URL the agents on Ray's nodes and the clients reach the control plane at "
+        "(its port is the bound one unless given)",
+    )
+    up.add_argument(
+        "--agent-urls",
+        type=lambda v: [r for r in v.split(",") if r],
+        default=[],
+        help="more addresses agents may report, comma-separated (http://10.1.0.0/16): for "
+        "nodes that join later from networks the cluster's nodes at the start are not in",
     )
     up.add_argument(
         "--cloud-idle-release-s",

@@ -225,6 +225,7 @@ class LocalPool:
             tick_s=self.spec.tick_s,
             policy=self.spec.policy,
             cloud=self.cloud_config(),
+            **self.controlplane_settings(),
         )
         config_path = self.dir / "controlplane.json"
         # tokens reach the children through the environment, not the config file
@@ -248,7 +249,13 @@ class LocalPool:
             )
         self.controlplane = await self._spawn(
             "controlplane",
-            ["controlplane", "--config", str(config_path), *(self.tls.args() if self.tls else [])],
+            [
+                "controlplane",
+                "--config",
+                str(config_path),
+                *(self.tls.args() if self.tls else []),
+                *self.controlplane_args(),
+            ],
             self.tokens.env(),
         )
         for i, node_id in enumerate(self.node_ids, start=1):
@@ -268,6 +275,14 @@ class LocalPool:
         self._write_env_file()
         if self.tokens.metrics is not None:
             write_private(self.metrics_token_file, self.tokens.metrics.encode())
+
+    def controlplane_settings(self) -> dict[str, Any]:
+        """More of the control plane's config: where it listens, which agents it takes."""
+        return {}
+
+    def controlplane_args(self) -> list[str]:
+        """More flags of `dsec controlplane`."""
+        return []
 
     def cloud_config(self) -> CloudConfig | RayConfig | None:
         """The control plane's cloud provider: local cloud nodes, up to spec.cloud_nodes."""
