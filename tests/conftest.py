@@ -191,6 +191,29 @@ async def eventually(check, what: str = "", timeout: float = 30.0, interval: flo
         await asyncio.sleep(interval)
 
 
+def process_of(pid: int, container_id: str) -> bool:
+    """Whether process `pid` lives (not a zombie) in container `container_id`'s cgroup."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+        in_container = container_id in Path(f"/proc/{pid}/cgroup").read_text()
+    except OSError:
+        return False
+    return in_container and "\nState:\tZ" not in status
+
+
+def still_runs(docker_client: docker.DockerClient, container) -> bool:
+    """Whether a container (from a sparse list) still runs its init. The agent kills it
+    itself (agent/docker_driver.py kill_pid_namespace): the engine may not have seen it
+    stop yet."""
+    if container.attrs["State"] != "running":
+        return False
+    try:
+        pid = docker_client.api.inspect_container(container.id)["State"]["Pid"]
+    except docker.errors.NotFound:
+        return False
+    return bool(pid) and process_of(pid, container.id)
+
+
 async def assert_stopped_then_removed(docker_client: docker.DockerClient, sandbox_id: str):
     """A released sandbox is stopped by the time its release answers, and its container
     removed once its engine is quiet (within 30 s of waiting: agent/engine.py)."""
@@ -203,5 +226,5 @@ async def assert_stopped_then_removed(docker_client: docker.DockerClient, sandbo
         return found[0] if found else None
 
     stopped = container()
-    assert stopped is None or stopped.attrs["State"] != "running", f"{sandbox_id} still runs"
+    assert stopped is None or not still_runs(docker_client, stopped), f"{sandbox_id} still runs"
     await eventually(lambda: container() is None, f"the removal of {sandbox_id}", 40)
