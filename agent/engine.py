@@ -29,8 +29,7 @@ class Work(IntEnum):
     CREATE_WARM = 3  # the warm pool refills or scales up: nobody waits yet
     FREEZE = 4  # pause, hibernate
     # start a sandbox's command loop (agent/resident.py): it saves later execs, never
-    # delays a sandbox, so only when nothing more urgent waits and no create runs (an
-    # exec's engine work would slow a burst's creates)
+    # delays a sandbox, so only when nothing more urgent waits
     RESIDENT = 5
     REMOVE = 6  # remove a container already stopped: only when nothing else waits
 
@@ -130,9 +129,7 @@ class EngineQueue:
         if work in CREATES:
             return self.creating() < self.creates.limit
         if work == Work.RESIDENT:
-            return not self.creating() and not any(
-                self.waiting[w] for w in Work if w < Work.RESIDENT
-            )
+            return not any(self.waiting[w] for w in Work if w < Work.RESIDENT)
         if work == Work.REMOVE:
             quiet = not self.creating() and not any(
                 self.waiting[w] for w in Work if w != Work.REMOVE

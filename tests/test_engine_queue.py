@@ -49,7 +49,7 @@ def test_waiting_work_starts_most_urgent_first_whatever_its_arrival():
     assert run(scenario) == ["running", "thaw", "request", "warm", "pause", "loop", "remove"]
 
 
-def test_a_command_loop_starts_only_when_no_create_waits_or_runs():
+def test_a_command_loop_starts_only_when_no_create_waits():
     async def scenario():
         loop = asyncio.get_running_loop()
         queue = EngineQueue(4, fixed(1), loop.time)  # slots to spare, one create at a time
@@ -62,13 +62,11 @@ def test_a_command_loop_starts_only_when_no_create_waits_or_runs():
         loop_start = asyncio.ensure_future(job(queue, Work.RESIDENT, "loop", started))
         pause = asyncio.ensure_future(job(queue, Work.FREEZE, "pause", started))
         await asyncio.gather(*creates, loop_start, pause)
-        return started
+        return [name for name, _ in started]
 
     # a pause takes a spare slot beside the create; the loop waits for the last create
-    # to have ended: a burst's creates keep the engine to themselves
-    started = dict(run(scenario))
-    assert list(started) == ["create0", "pause", "create1", "create2", "loop"]
-    assert started["loop"] >= started["create2"] + 0.1
+    # to have started (none waits any more)
+    assert run(scenario) == ["create0", "pause", "create1", "create2", "loop"]
 
 
 def test_a_clients_work_never_waits_for_a_slot():
