@@ -85,6 +85,9 @@ def summarise(samples: dict[str, list[dict]], args: argparse.Namespace) -> dict:
         warm = [s["ms"] for s in got if s["path"] == "warm"]
         pools[name] = {
             "warm_acquire_ms": latency_summary(warm),
+            "server_schedule_ms": latency_summary(
+                [s["schedule_ms"] for s in got if s["path"] == "warm"]
+            ),
             "not_warm": len(got) - len(warm),
             "nodes": sorted({s["node"] for s in got}),
             "execs_failed": sum(not s["exec_ok"] for s in got),
