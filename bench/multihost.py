@@ -459,19 +459,21 @@ async def measure(work: Path, rounds: int, acquires: int, tls: bool) -> dict:
     return summarise(samples, rounds, acquires, tls)
 
 
+def warm_figures(got: list[dict]) -> dict:
+    """The figures of acquire_round's samples: warm acquires as the client and the
+    server timed them, how many were not warm, the nodes, the commands that failed."""
+    warm = [s for s in got if s["path"] == "warm"]
+    return {
+        "warm_acquire_ms": latency_summary([s["ms"] for s in warm]),
+        "server_schedule_ms": latency_summary([s["schedule_ms"] for s in warm]),
+        "not_warm": len(got) - len(warm),
+        "nodes": sorted({s["node"] for s in got}),
+        "execs_failed": sum(not s["exec_ok"] for s in got),
+    }
+
+
 def summarise(samples: dict[str, list[dict]], rounds: int, acquires: int, tls: bool) -> dict:
-    layouts = {}
-    for layout, got in samples.items():
-        warm = [s["ms"] for s in got if s["path"] == "warm"]
-        layouts[layout] = {
-            "warm_acquire_ms": latency_summary(warm),
-            "server_schedule_ms": latency_summary(
-                [s["schedule_ms"] for s in got if s["path"] == "warm"]
-            ),
-            "not_warm": len(got) - len(warm),
-            "nodes": sorted({s["node"] for s in got}),
-            "execs_failed": sum(not s["exec_ok"] for s in got),
-        }
+    layouts = {layout: warm_figures(got) for layout, got in samples.items()}
     p99 = {layout: figures["warm_acquire_ms"]["p99"] for layout, figures in layouts.items()}
     ratio = p99["netns"] / p99["loopback"]
     return {

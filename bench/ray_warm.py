@@ -26,8 +26,7 @@ import tempfile
 import uuid
 from pathlib import Path
 
-from bench.multihost import WARMUP_ROUNDS, acquire_round, ready
-from bench.stats import latency_summary
+from bench.multihost import WARMUP_ROUNDS, acquire_round, ready, warm_figures
 from dsec.cli import format_table
 from dsec.cli.up import LocalPool, LocalPoolSpec
 from dsec.client import Client
@@ -80,18 +79,7 @@ async def alternate(pools: dict[str, LocalPool], args: argparse.Namespace) -> di
 
 
 def summarise(samples: dict[str, list[dict]], args: argparse.Namespace) -> dict:
-    pools = {}
-    for name, got in samples.items():
-        warm = [s["ms"] for s in got if s["path"] == "warm"]
-        pools[name] = {
-            "warm_acquire_ms": latency_summary(warm),
-            "server_schedule_ms": latency_summary(
-                [s["schedule_ms"] for s in got if s["path"] == "warm"]
-            ),
-            "not_warm": len(got) - len(warm),
-            "nodes": sorted({s["node"] for s in got}),
-            "execs_failed": sum(not s["exec_ok"] for s in got),
-        }
+    pools = {name: warm_figures(got) for name, got in samples.items()}
     p99 = {name: figures["warm_acquire_ms"]["p99"] for name, figures in pools.items()}
     ratio = p99["dsec ray up"] / p99["dsec up"]
     return {
