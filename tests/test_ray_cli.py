@@ -18,6 +18,8 @@ from dsec.cli.up import up_spec
 
 TOKENS = {"admin_tokens": ["a" * 16], "agent_token": "b" * 16}
 has_ray = importlib.util.find_spec("ray") is not None
+# these need Ray itself (CI installs the extra; without it the rest still run)
+needs_ray = pytest.mark.skipif(not has_ray, reason="needs the ray extra")
 
 
 def test_dsec_up_passes_cloud_nodes_to_the_pool():
@@ -46,14 +48,14 @@ def test_dsec_ray_up_without_ray_says_which_extra_to_install():
     ]
 
 
-@pytest.mark.skipif(not has_ray, reason="needs the ray extra")
+@needs_ray
 def test_dsec_ray_up_refuses_an_address_where_no_cluster_listens(capsys):
     assert main(["ray", "up", "--address", "127.0.0.1:1"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("dsec ray: no Ray cluster at '127.0.0.1:1'"), err
 
 
-@pytest.mark.skipif(not has_ray, reason="needs the ray extra")
+@needs_ray
 @pytest.mark.parametrize(
     ("flags", "says"),
     [
@@ -71,7 +73,7 @@ def test_dsec_ray_up_refuses_an_address_it_cannot_be_reached_at(flags, says, cap
     assert says in err and "no Ray cluster" not in err, err
 
 
-@pytest.mark.skipif(not has_ray, reason="needs the ray extra")
+@needs_ray
 def test_dsec_ray_up_tells_its_control_plane_where_it_listens_and_which_agents_to_take():
     from dsec.cli.ray import RayPool, RayPoolSpec
 
@@ -112,7 +114,7 @@ def test_a_ray_node_prefix_leaves_room_for_the_node_id():
         RayConfig(provider="ray", node_prefix="a-prefix-far-too-long")
 
 
-@pytest.mark.skipif(not has_ray, reason="needs the ray extra")
+@needs_ray
 @pytest.mark.parametrize(
     ("flags", "says"),
     [
