@@ -3,7 +3,7 @@ several reports (one per policy) in one table and one latency plot.
 
 ``report.json`` holds the fields DESIGN.md names: ``schedule_latency_ms`` (p50, p95, p99,
 max and the same ``by_path``), ``utilisation``, ``queue_wait_share``, ``episodes_per_hour``
-(per hour of trace time: a time-scaled replay's span divided by its time scale),
+(completed episodes per hour of the trace's arrivals, in trace time),
 ``sandbox_seconds`` (local, cloud), ``scale_events``, what the run was (``trace``,
 ``policy``, ``params``, ``mode``, ``seed``, ``time_scale``, ...) and ``episodes`` (total,
 completed, failed). Next to it, ``latencies.json`` keeps every schedule latency by path, so
@@ -79,10 +79,12 @@ def build_report(result: RunResult) -> dict[str, Any]:
     held_s = sum(r.released_at_s - r.requested_at_s for r in held)
 
     completed = sum(1 for r in records if r.completed)
-    releases = [r.released_at_s for r in records if r.released_at_s is not None]
-    span_s = max(releases) - min(r.requested_at_s for r in records) if releases else 0.0
-    # in trace time: a replay at time scale 0.1 plays an hour of the trace in 6 minutes,
-    # and its rate is the trace's, not ten times it
+    # over the span of the trace's arrivals, in trace time: neither how long the replay
+    # took (a replay at time scale 0.1 plays an hour of the trace in 6 minutes) nor the
+    # tail of the last episodes' lifetimes, which would make a longer-lived workload
+    # look slower at the same rate of episodes
+    arrivals = [r.arrival_s for r in records]
+    span_s = max(arrivals) - min(arrivals) if arrivals else 0.0
     trace_span_s = span_s / (result.meta.get("time_scale") or 1.0)
 
     sandbox_seconds = {

@@ -75,7 +75,10 @@ TARGETS = {
 }
 # pool parameters a search may move: all but the templates a pool keeps warm
 TUNABLE = tuple(name for name in PoolParams.model_fields if name != "templates")
-DEFAULT_SPACE = ("min_warm=0:16", "warm_fraction=0:0.2", "recycle=false,true")
+# max_warm bounds what the pool creates ahead of demand, its scale-up steps included: at
+# 0 (with min_warm 0) the pool keeps nothing warm and creates per request, as cold does,
+# the cheapest setting where cold creates meet the target
+DEFAULT_SPACE = ("min_warm=0:16", "max_warm=0:64", "warm_fraction=0:0.2", "recycle=false,true")
 CENTRES = 2  # points refined around in each round
 CONFIRMED = 3  # the cheapest points run again with every seed
 MIN_STEP = 1 / 256  # of a range: the refinement stops below it

@@ -29,6 +29,7 @@ from dsec.policy import (
     Placement,
     RequestSnap,
     Snapshot,
+    Unplaceable,
     decide,
 )
 from dsec.states import SandboxState as S
@@ -69,17 +70,36 @@ class ColdPolicy:
             for sb in snapshot.sandboxes
             if sb.reserved_for and sb.state in (S.WARM, S.CREATING)
         }
-        for req in sorted(snapshot.requests, key=in_line):
+        unserved = []
+        for req in snapshot.requests:
             sb = mine.get(req.id)
-            if sb is not None:
-                if sb.state == S.WARM:
-                    actions.append(Claim(req.id, sb.id, "cold", "its own container is ready"))
-                continue
+            if sb is None:
+                unserved.append((in_line(req), req))
+            elif sb.state == S.WARM:
+                actions.append(Claim(req.id, sb.id, "cold", "its own container is ready"))
+        # in line, until no node has room for any template still waiting: a placement is
+        # a look at every node, and a long queue on a full cluster must not cost one each
+        heapq.heapify(unserved)
+        wanted = {req.template for _, req in unserved if req.template in snapshot.templates}
+        full: set[str] = set()  # templates no node has room for, in this decision
+        while unserved and not wanted <= full:
+            req = heapq.heappop(unserved)[1]
             template, params = snapshot.templates.get(req.template), pools.get(req.pool)
             if template is None or params is None:
                 continue
-            why = "cold: per request"
-            actions.append(placement.for_request(req, template, params, req.id, why))
+            if req.template in full and req.template_refusal is None:
+                continue
+            action = placement.for_request(req, template, params, req.id, "cold: per request")
+            actions.append(action)
+            if isinstance(action, Unplaceable) and not req.refused_by:
+                full.add(req.template)  # no node refused it: none has room
+        # a request whose template every node refused is told so, wherever it waits
+        for _, req in unserved:
+            template, params = snapshot.templates.get(req.template), pools.get(req.pool)
+            if req.template_refusal is not None and template is not None and params is not None:
+                action = placement.for_request(req, template, params, req.id, "cold")
+                if isinstance(action, Unplaceable) and action.final:
+                    actions.append(action)
         # a container whose request left is not kept: there is no pool to keep it in
         waiting = {r.id for r in snapshot.requests}
         for sb in snapshot.sandboxes:

@@ -124,12 +124,20 @@ def test_queue_wait_share_is_waiting_over_request_to_release_of_served_episodes(
     assert build_report(hand_made_run())["queue_wait_share"] == round(3.5 / 27.0, 4)
 
 
-def test_episodes_per_hour_counts_completed_episodes_over_the_runs_span_in_trace_time():
-    # two completed episodes between the first request (0 s) and the last release (12 s)
-    # of a replay at time scale 0.5: 24 s of the trace
+def test_episodes_per_hour_counts_completed_episodes_over_the_traces_arrivals():
+    # two completed episodes; arrivals from 0 s to 5 s of a replay at time scale 0.5: 10 s
+    # of the trace (neither the replay's 5 s nor the 12 s to the last release)
     report = build_report(hand_made_run())
-    assert report["episodes_per_hour"] == 2 * 3600 / 24
+    assert report["episodes_per_hour"] == 2 * 3600 / 10
     assert report["episodes"] == {"total": 4, "completed": 2, "failed": 2}
+
+
+def test_episodes_per_hour_does_not_count_the_tail_of_long_episodes():
+    run = hand_made_run()
+    for r in run.records:
+        if r.released_at_s is not None:
+            r.released_at_s += 3600.0  # an hour longer each: the trace's rate is the same
+    assert build_report(run)["episodes_per_hour"] == 2 * 3600 / 10
 
 
 def test_schedule_latency_quantiles_overall_and_by_path():
@@ -219,7 +227,7 @@ def test_compare_overlays_reports_and_tabulates_them(tmp_path):
         "p99_ms": 2000.0,
         "utilisation": 0.25,
         "queue_wait_share": round(3.5 / 27, 4),
-        "episodes_per_hour": 300.0,  # in trace time: the replay ran at time scale 0.5
+        "episodes_per_hour": 720.0,  # over the trace's arrivals: 2 in 10 s of the trace
         "sandbox_seconds_local": 30.0,
         "sandbox_seconds_cloud": 6.0,
     }

@@ -70,6 +70,16 @@ def test_a_simulated_run_reports_every_field():
     assert result.meta["mode"] == "sim" and result.timeline
 
 
+def test_episodes_per_hour_is_the_traces_rate_at_any_time_scale():
+    """Every episode completes: the rate is the trace's, episodes over the span of its
+    arrivals, whether it is replayed at its own pace or twice as fast."""
+    trace = small_trace(30)
+    rate = 30 * 3600 / (trace[-1].arrival_s - trace[0].arrival_s)
+    for scale in (1.0, 0.5):
+        result = simulate(trace, nodes=2, slots_per_node=40, seed=1, time_scale=scale)
+        assert build_report(result)["episodes_per_hour"] == pytest.approx(rate, rel=1e-4)
+
+
 @pytest.mark.parametrize("policy", sorted(POLICIES))
 def test_every_policy_runs_the_same_trace(policy):
     params = PoolParams(min_warm=4)  # static keeps this many; the others start from it
