@@ -518,9 +518,19 @@ class _Decision:
             self.snap.requests,
             key=lambda r: (-self.priority(r.pool), -r.priority, r.arrived_at, r.id),
         )
+        # (pool, template) no node has room for, in this decision: the requests behind
+        # the first one refused for want of room take no placement (a look at every node)
+        # each, so that a long queue on a full cluster costs a tick no more than a short one
+        full: set[tuple[str, str]] = set()
         for req in order:
-            if not self._claim_for(req):
-                self._create_for(req)
+            if self._claim_for(req):
+                continue
+            key = (req.pool, req.template)
+            if key in full and req.template_refusal is None:
+                continue  # a refused template's request is still told when all refused it
+            made = self._create_for(req)
+            if isinstance(made, Unplaceable) and not req.refused_by:
+                full.add(key)  # no node excluded for it, and none had room
 
     def _claim_for(self, req: RequestSnap) -> bool:
         """Hand `req` a free sandbox, or one of the creates under way; False if neither."""
@@ -551,16 +561,16 @@ class _Decision:
     def _claim(self, req: RequestSnap, sb: SandboxSnap, path: str, reason: str) -> None:
         self.actions.append(Claim(req.id, sb.id, path, reason))
 
-    def _create_for(self, req: RequestSnap) -> None:
+    def _create_for(self, req: RequestSnap) -> Create | Unplaceable | None:
         template = self.snap.templates.get(req.template)
         params = self.pools.get(req.pool)
         if template is None or params is None:
-            return
-        self.actions.append(
-            self.placement.for_request(
-                req, template, params, ("request", req.id), "no free sandbox for a request"
-            )
+            return None
+        made = self.placement.for_request(
+            req, template, params, ("request", req.id), "no free sandbox for a request"
         )
+        self.actions.append(made)
+        return made
 
     # 2, 3 ------------------------------------------------------------------------
     def grow(self) -> None:

@@ -67,22 +67,7 @@ def work(policy_name: str, waiting: int, monkeypatch) -> tuple[int, dict[str, in
     return placements[0], actions
 
 
-@pytest.mark.parametrize(
-    "policy",
-    [
-        pytest.param(
-            name,
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="open (issue 16): dsec.policy's serve_queue still tries a placement "
-                "for every waiting request, an Unplaceable each; strict, so the fix shows",
-            ),
-        )
-        if name == "dsec"
-        else name
-        for name in sorted(POLICIES)
-    ],
-)
+@pytest.mark.parametrize("policy", sorted(POLICIES))
 def test_a_ticks_work_on_a_full_cluster_does_not_grow_with_the_queue(policy, monkeypatch):
     short, long = (work(policy, n, monkeypatch) for n in (100, 10_000))
     assert short == long
