@@ -388,12 +388,10 @@ class LocalPool:
         return waits[done.pop()]
 
     async def stop(self) -> int:
-        """Stop everything; returns how many leftover containers the sweep removed. The
-        control plane first: it would make new sandboxes for those the agents remove as
-        they stop, on agents already gone."""
+        """Stop everything; returns how many leftover containers the sweep removed."""
+        await asyncio.gather(*(self._stop_child(a) for a in self.agents))
         if self.controlplane is not None:
             await self._stop_child(self.controlplane)
-        await asyncio.gather(*(self._stop_child(a) for a in self.agents))
         self.swept = await asyncio.to_thread(self._sweep_containers)
         return self.swept
 
