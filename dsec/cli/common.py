@@ -7,6 +7,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
+from dsec.addresses import check_advertise_url
 from dsec.httpkit import validation_details
 
 DEFAULT_STATE_DIR = Path.home() / ".dsec"
@@ -35,3 +36,18 @@ def env_token(*names: str) -> str:
 
 def describe(e: ValidationError) -> str:
     return "; ".join(f"{d['loc'] or 'value'}: {d['msg']}" for d in validation_details(e))
+
+
+def checked_advertise_url(
+    url: str | None, scheme: str, service: str = "this service"
+) -> str | None:
+    """--advertise-url, checked: a URL others can dial, of the scheme `service` serves."""
+    if url is None:
+        return None
+    try:
+        url = check_advertise_url(url)
+    except ValueError as e:
+        raise UsageError(f"--advertise-url: {e}") from e
+    if not url.startswith(f"{scheme}://"):
+        raise UsageError(f"--advertise-url {url}: {service} serves {scheme}://, not that")
+    return url

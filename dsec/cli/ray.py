@@ -22,8 +22,8 @@ from pydantic import TypeAdapter, ValidationError
 
 from controlplane.cloud import RAY_NODE_PREFIX, RayConfig
 from controlplane.identities import LOOPBACK_AGENT_URLS, AgentUrlRule
-from dsec.addresses import advertised_url, check_advertise_url, listens_everywhere
-from dsec.cli.common import UsageError, describe
+from dsec.addresses import advertised_url, listens_everywhere
+from dsec.cli.common import UsageError, checked_advertise_url, describe
 from dsec.cli.up import LocalPool, LocalPoolSpec, pool_flags, pool_spec, run_pool
 
 NEEDS_RAY = "needs Ray, which is not installed: pip install 'dsec[ray]'"
@@ -171,14 +171,7 @@ def _advertise_url(host: str, url: str | None) -> str | None:
                 f"--host {host} listens on every address, which is no address for the "
                 "agents on Ray's nodes to register at: say which with --advertise-url"
             )
-        return None
-    try:
-        url = check_advertise_url(url)
-    except ValueError as e:
-        raise UsageError(f"--advertise-url: {e}") from e
-    if not url.startswith("http://"):
-        raise UsageError(f"--advertise-url {url}: the control plane serves http://, not that")
-    return url
+    return checked_advertise_url(url, "http", "the control plane")
 
 
 def register(sub: argparse._SubParsersAction) -> None:

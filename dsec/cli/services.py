@@ -16,11 +16,12 @@ import aiohttp
 from pydantic import ValidationError
 
 from agent.config import AgentConfig
-from dsec.addresses import advertised_url, check_advertise_url, listens_everywhere
+from dsec.addresses import advertised_url, listens_everywhere
 from dsec.cli.common import (
     DASHBOARD_HINT,
     DEFAULT_STATE_DIR,
     UsageError,
+    checked_advertise_url,
     describe,
     env_token,
     format_table,
@@ -70,7 +71,7 @@ def cmd_controlplane(args: argparse.Namespace) -> int:
     except ValidationError as e:
         raise UsageError(f"invalid control plane config: {describe(e)}") from e
     tls, server_ssl = _tls(args)
-    advertise = _advertise_url(args.advertise_url, tls)
+    advertise = checked_advertise_url(args.advertise_url, "https" if tls.serving else "http")
     if config.cloud is not None and listens_everywhere(config.host) and advertise is None:
         # its cloud agents register where it says it is
         raise UsageError(
@@ -108,20 +109,6 @@ def cmd_controlplane(args: argparse.Namespace) -> int:
     return 0
 
 
-def _advertise_url(url: str | None, tls: TlsFiles) -> str | None:
-    """--advertise-url, checked: a URL others can dial, of the scheme the service serves."""
-    if url is None:
-        return None
-    try:
-        url = check_advertise_url(url)
-    except ValueError as e:
-        raise UsageError(f"--advertise-url: {e}") from e
-    scheme = "https" if tls.serving else "http"
-    if not url.startswith(f"{scheme}://"):
-        raise UsageError(f"--advertise-url {url}: this service serves {scheme}://, not that")
-    return url
-
-
 # --- dsec agent ----------------------------------------------------------------
 
 
@@ -152,7 +139,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
     tls, server_ssl = _tls(args)
     if tls.serving and (args.controlplane or "").startswith("http://"):
         raise UsageError("an agent serving TLS reports over TLS: --controlplane must be https")
-    advertise = _advertise_url(args.advertise_url, tls)
+    advertise = checked_advertise_url(args.advertise_url, "https" if tls.serving else "http")
     try:
         config = AgentConfig(
             node_id=args.node_id,
