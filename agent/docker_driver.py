@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import signal
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +25,7 @@ from aiodocker.execs import Exec
 from aiodocker.stream import Stream
 
 from agent.engine import CREATES, CreateLimit, EngineQueue, Work
+from agent.host import kill_pid_namespace
 from dsec.clock import Clock
 from dsec.models import TemplateSpec
 
@@ -45,44 +45,6 @@ LABEL_POOL = "dsec.pool"
 LABEL_TEMPLATE = "dsec.template"
 LABEL_SANDBOX = "dsec.sandbox"
 LABEL_LEASE = "dsec.lease"
-
-
-async def kill_pid_namespace(pid: int, container_id: str, wait_s: float = 2.0) -> bool:
-    """SIGKILL process `pid`, the init of container `container_id`, and wait until it has
-    exited: the kernel then kills every other process of its PID namespace. Through a
-    pidfd, checked to be in the container's cgroup, so that a PID the process left and
-    another took is never signalled. False when it cannot be done from here."""
-    try:
-        pidfd = os.pidfd_open(pid)
-    except OSError:
-        # exited already, or an agent that does not see the host's PIDs (a container
-        # without --pid host): the engine's kill tells which
-        return False
-    try:
-        try:
-            cgroups = Path(f"/proc/{pid}/cgroup").read_text()
-        except OSError:
-            cgroups = ""
-        if container_id not in cgroups:
-            return False  # exited and its PID another's now, or not the container's
-        signal.pidfd_send_signal(pidfd, signal.SIGKILL)
-        loop = asyncio.get_running_loop()
-        exited = loop.create_future()
-        # readable: the process has exited
-        loop.add_reader(pidfd, lambda: exited.done() or exited.set_result(None))
-        try:
-            await asyncio.wait_for(exited, wait_s)
-        except TimeoutError:
-            return False
-        finally:
-            loop.remove_reader(pidfd)
-        return True
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False
-    finally:
-        os.close(pidfd)
 
 
 class DockerOpError(Exception):
@@ -314,6 +276,12 @@ class AsyncDocker:
             if e.kind != "not_found":  # already gone: removing is idempotent
                 raise
 
+    async def init_pid(self, container_id: str) -> int | None:
+        """The host's PID of the container's init; None when it is not running, or
+        frozen."""
+        state = (await self.call("inspect", self._container(container_id).show))["State"]
+        return state["Pid"] if state["Running"] and not state["Paused"] else None
+
     async def kill(self, container_id: str) -> None:
         """Stop a container at once: its processes end and release CPU and memory; the
         container itself stays until it is removed.
@@ -324,11 +292,10 @@ class AsyncDocker:
         have: with it goes every process of its PID namespace. The engine's own kill is
         what remains where that cannot be done (an agent without the host's PIDs)."""
         try:
-            show = self._container(container_id).show
-            state = (await self.call("inspect", show))["State"]
-            if not state["Running"] or state["Paused"]:
+            pid = await self.init_pid(container_id)
+            if pid is None:
                 return  # not running, nothing to stop; a frozen one is removed instead
-            if await kill_pid_namespace(state["Pid"], container_id):
+            if await kill_pid_namespace(pid, container_id):
                 return
             await self.call("kill", self._container(container_id).kill)
         except DockerOpError as e:

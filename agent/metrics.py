@@ -36,6 +36,13 @@ class AgentMetrics:
             buckets=LATENCY_BUCKETS,
             registry=self.registry,
         )
+        self.reset_seconds = Histogram(
+            "dsec_agent_reset_seconds",
+            "Resets of released sandboxes, from the host's side or through the engine",
+            ["node", "path"],
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
         self.sandboxes = Gauge(
             "dsec_agent_sandboxes", "Sandboxes on this node", ["node"], registry=self.registry
         )
@@ -73,6 +80,9 @@ class AgentMetrics:
 
     def observe_docker(self, op: str, seconds: float) -> None:
         self.docker_op.labels(self.node_id, op).observe(seconds)
+
+    def observe_reset(self, path: str, seconds: float) -> None:
+        self.reset_seconds.labels(self.node_id, path).observe(seconds)
 
     def docker_error(self, op: str, kind: str) -> None:
         self.docker_errors.labels(self.node_id, op, kind).inc()

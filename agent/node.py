@@ -30,6 +30,7 @@ from agent.docker_driver import (
 from agent.engine import Work
 from agent.execs import Execs
 from agent.files import Files
+from agent.host import Unavailable, reset_from_host
 from agent.metrics import AgentMetrics
 from agent.reset import leftovers, main_of, reset_dirs, reset_script, split_reset_output
 from agent.resident import Resident
@@ -261,6 +262,7 @@ class Agent:
                 return sandbox  # already frozen: pausing is idempotent
             if sandbox.running_execs:
                 raise ApiError(409, "busy", f"sandbox {sandbox_id} is running a command")
+            await sandbox.loop_started()
             await self.docker_or_502(self.docker.pause(sandbox.record.container_id))
             sandbox.move(target)
             sandbox.frozen_at = self.clock.now()
@@ -418,7 +420,7 @@ class Agent:
             record.lease_id = None
             started = self.clock.now()
             try:
-                await self._reset_locked(sandbox)
+                path = await self._reset_locked(sandbox)
             except ApiError as e:
                 code = "reset_failed"
                 failure = ApiError(e.status, code, e.message if e.code == code else str(e))
@@ -428,24 +430,31 @@ class Agent:
                 await self.store.put(record)
                 sandbox.move(SandboxState.WARM)
                 sandbox.reset_from = req.lease_id
-                sandbox.resident_tried_at = started  # the reset started its loop again
                 sandbox.last_active = self.clock.now()
-                log.debug("reset %s in %.0f ms", sandbox_id, (sandbox.last_active - started) * 1e3)
+                self.metrics.observe_reset(path, sandbox.last_active - started)
+                if path == "engine":
+                    sandbox.resident_tried_at = started  # the reset started its loop again
+                else:  # killed with the rest: started again, once the engine has time
+                    sandbox.resident_tried_at = None
+                    self.resident.ensure_loop(sandbox)
                 return sandbox
         log.warning("reset of %s failed, removing it: %s", sandbox_id, failure.message)
         with contextlib.suppress(ApiError):
             await self.destroy(sandbox_id)
         raise failure
 
-    async def _reset_locked(self, sandbox: Sandbox) -> None:
+    async def _reset_locked(self, sandbox: Sandbox) -> str:
+        """Reset from the host's side (agent/host.py), or where that cannot be reached,
+        with one engine exec (agent/reset.py); which of the two did: "host" or "engine"."""
         spec, cid = sandbox.spec, sandbox.record.container_id
         await self.thaw_locked(sandbox, Work.CLIENT)  # a frozen lease: LEASED again first
+        await sandbox.loop_started()
         dirs = reset_dirs(spec.workdir)
         for _ in range(RESET_ROUNDS):
-            out = await self._reset_run(cid, reset_script(dirs), spec)
+            path, problems = await self._reset_once(cid, dirs, spec)
             self.resident.abort_all(sandbox.id)  # the reset killed their processes
             # with no command of the ended lease under way, nothing can have started after
-            # the check at the script's end: what it saw is what is left
+            # the check at the reset's end: what it saw is what is left
             if not sandbox.running_execs:
                 break
             # its commands were killed: their calls end now, and a round runs again (one
@@ -453,9 +462,31 @@ class Agent:
             await self._execs_ended(sandbox, RESET_EXEC_WAIT_S)
         else:
             raise ApiError(409, "reset_failed", "commands of the ended lease are still running")
-        killed, checked = split_reset_output(out)
-        if problems := leftovers(checked, main_of(killed) or "?"):
+        if problems:
             raise ApiError(409, "reset_failed", f"not clean after the reset: {'; '.join(problems)}")
+        return path
+
+    async def _reset_once(
+        self, container_id: str, dirs: list[str], spec: TemplateSpec
+    ) -> tuple[str, list[str]]:
+        try:
+            pid = await self.docker.init_pid(container_id)
+        except DockerOpError as e:
+            raise self._reset_docker_failed(e) from e
+        if pid is None:
+            raise ApiError(409, "reset_failed", "its container is not running")
+        try:
+            async with asyncio.timeout(RESET_TIMEOUT_S):
+                return "host", await reset_from_host(pid, container_id, dirs)
+        except Unavailable as e:
+            log.debug("reset of %s through the engine: %s", container_id[:12], e)
+        except TimeoutError as e:
+            raise ApiError(
+                409, "reset_failed", f"reset still running after {RESET_TIMEOUT_S} s"
+            ) from e
+        out = await self._reset_run(container_id, reset_script(dirs), spec)
+        killed, checked = split_reset_output(out)
+        return "engine", leftovers(checked, main_of(killed) or "?")
 
     async def _reset_run(self, container_id: str, script: str, spec: TemplateSpec) -> str:
         try:
@@ -468,15 +499,18 @@ class Agent:
                 409, "reset_failed", f"reset still running after {RESET_TIMEOUT_S} s"
             ) from e
         except DockerOpError as e:
-            self.docker_failed(e)
-            # a container that stopped (its main command died) is the sandbox's fault
-            status = 409 if e.kind in ("conflict", "not_found") else 502
-            raise ApiError(status, "reset_failed", str(e)) from e
+            raise self._reset_docker_failed(e) from e
         text = out.decode("utf-8", "replace")
         if code != 0:
             said = (text + err.decode("utf-8", "replace")).strip()[-300:]
             raise ApiError(409, "reset_failed", f"reset exited with {code}: {said}")
         return text
+
+    def _reset_docker_failed(self, e: DockerOpError) -> ApiError:
+        self.docker_failed(e)
+        # a container that stopped (its main command died) is the sandbox's fault
+        status = 409 if e.kind in ("conflict", "not_found") else 502
+        return ApiError(status, "reset_failed", str(e))
 
     async def _execs_ended(self, sandbox: Sandbox, timeout_s: float) -> bool:
         deadline = self.clock.now() + timeout_s

@@ -8,7 +8,7 @@ pipes in a directory of its own per sandbox, bind-mounted read-only at `/.dsec`:
 
 - `serve`, the loop (SERVE_SCRIPT), started by one detached engine exec once the
   sandbox exists (when no more urgent work waits for the engine: `Work.RESIDENT`), as
-  the template's user, and by a reset, which kills it with the rest;
+  the template's user, and again after a reset, which kills it with the rest;
 - `ctl`, a pipe the loop reads command ids from;
 - per command `ID.cmd` (the script: workdir, environment, argv), and pipes `ID.out`,
   `ID.err` and `ID.rc` (its exit code, written when it ends).
@@ -327,14 +327,21 @@ class Resident:
 
 @contextlib.asynccontextmanager
 async def _unchanging(sandbox: Sandbox, container_id: str) -> AsyncIterator[bool]:
-    """Whether the loop may start now, holding the sandbox meanwhile: not while another
-    operation has it (a pause, a thaw, a reset, a release: this lowest work never waits
-    for them, nor makes a lease wait), nor once it is frozen, gone or in a new container."""
+    """Whether the loop may start now: not while another operation has the sandbox (a
+    pause, a thaw, a reset, a release: this lowest work never waits for them), nor once
+    it is frozen, gone or in a new container. Holds `loop_start` meanwhile, not the
+    sandbox's lock, so a lease never waits for it; a pause or a reset waits for it
+    (`Sandbox.loop_started`)."""
     if sandbox.lock.locked() or sandbox.state not in LOOP_STATES:
         yield False
         return
-    async with sandbox.lock:
-        yield sandbox.record.container_id == container_id
+    async with sandbox.loop_start:
+        # looked at again once held: an operation that took the sandbox before waits not
+        yield (
+            not sandbox.lock.locked()
+            and sandbox.state in LOOP_STATES
+            and sandbox.record.container_id == container_id
+        )
 
 
 def _forget(running: dict[str, set[ResidentProcess]], sandbox_id: str, proc: ResidentProcess):

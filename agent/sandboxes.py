@@ -23,6 +23,9 @@ class Sandbox:
     reset_from: str | None = None  # the lease its last reset ended (a retry finds it done)
     resident_tried_at: float | None = None  # its command loop last started (agent/resident.py)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    # held while its command loop's exec starts (agent/resident.py), without `lock`: a
+    # lease or a command need not wait for it, but a pause or a reset must
+    loop_start: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     @property
     def id(self) -> str:
@@ -32,6 +35,13 @@ class Sandbox:
     def occupies(self) -> bool:
         """Hibernated sandboxes hold disk only: no slot, CPU or memory."""
         return self.state != SandboxState.HIBERNATED
+
+    async def loop_started(self) -> None:
+        """Wait for a start of its command loop under way to end. A pause or a reset
+        holding `lock` calls it first: an exec that starts in a container being frozen
+        hangs in the engine for good, and a reset would find the new loop left over."""
+        async with self.loop_start:
+            pass
 
     def move(self, target: SandboxState) -> None:
         self.state = transition(self.state, target)

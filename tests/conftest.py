@@ -203,7 +203,7 @@ def process_of(pid: int, container_id: str) -> bool:
 
 def still_runs(docker_client: docker.DockerClient, container) -> bool:
     """Whether a container (from a sparse list) still runs its init. The agent kills it
-    itself (agent/docker_driver.py kill_pid_namespace): the engine may not have seen it
+    itself (agent/host.py kill_pid_namespace): the engine may not have seen it
     stop yet."""
     if container.attrs["State"] != "running":
         return False

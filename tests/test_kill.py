@@ -1,4 +1,4 @@
-"""A released sandbox is stopped from the agent (agent/docker_driver.py kill_pid_namespace):
+"""A released sandbox is stopped from the agent (agent/host.py kill_pid_namespace):
 its container's init gets SIGKILL through a pidfd, and with it goes every process of its
 PID namespace; a process that is not the container's is never signalled."""
 
@@ -10,7 +10,8 @@ import uuid
 import pytest
 from conftest import process_of
 
-from agent.docker_driver import LABEL_NODE, kill_pid_namespace
+from agent.docker_driver import LABEL_NODE
+from agent.host import kill_pid_namespace
 from dsec.image import BASE_IMAGE
 
 pytestmark = pytest.mark.asyncio
