@@ -39,6 +39,11 @@ LOG_MAX_SIZE = "1m"
 LIFECYCLE_SLOTS = 8  # lifecycle calls given to the engine at once; the rest wait their turn
 ENGINE_UNREACHABLE = 900  # aiodocker's status for a connection that failed
 RESIDENT_MOUNT = "/.dsec"  # where a sandbox sees its command loop's directory
+# Who runs the init and the template's command of a sandbox that may be recycled: not
+# its tenants' user, who could otherwise read and write their memory (/proc/PID/mem, as
+# any process of one's own; ptrace likewise) and leave in them what the next lease
+# would meet. Commands always run as the template's user, named on every exec.
+KEEPER_USER = "65534:65534"
 
 LABEL_NODE = "dsec.node"
 LABEL_POOL = "dsec.pool"
@@ -87,7 +92,7 @@ def container_config(
         "Image": spec.image,
         "Cmd": spec.command,
         "Labels": labels,
-        "User": spec.user,
+        "User": KEEPER_USER if spec.recyclable else spec.user,
         "WorkingDir": spec.workdir,
         "NetworkDisabled": True,
         "HostConfig": {
@@ -342,14 +347,15 @@ class AsyncDocker:
         container_id: str,
         cmd: list[str],
         *,
+        user: str,
         env: dict[str, str] | None = None,
         workdir: str | None = None,
-        user: str = "",
         stdin: bool = False,
         tty: bool = False,
         work: Work = Work.CLIENT,
     ) -> Process:
-        """Start `cmd` in the container, attached (the container's user unless `user`)."""
+        """Start `cmd` in the container as `user`, attached (named always: the
+        container's own user may be KEEPER_USER)."""
 
         async def create_and_attach() -> Process:
             exec_ = await self._container(container_id).exec(
@@ -393,7 +399,7 @@ class AsyncDocker:
         container_id: str,
         cmd: list[str],
         *,
-        user: str = "",
+        user: str,
         stdin: bytes | None = None,
         cap: int = 1 << 20,
         work: Work = Work.CLIENT,
@@ -416,19 +422,22 @@ class AsyncDocker:
             self.observe(op, self.clock.now() - started)
         return code, bytes(out), bytes(err)
 
-    async def archive_dir(self, container_id: str, path: str, cap: int) -> bytes:
-        """A tar of `path` inside the container, read through a command: the Engine API's
-        archive cannot see a tmpfs mount, which is where a sandbox's work dir lives."""
+    async def archive_dir(self, container_id: str, path: str, cap: int, user: str) -> bytes:
+        """A tar of `path` inside the container, read through a command run as `user`:
+        the Engine API's archive cannot see a tmpfs mount, which is where a sandbox's
+        work dir lives."""
         tar = ["tar", "-C", path, "-cf", "-", "."]
-        code, out, err = await self.run("archive", container_id, tar, cap=cap + 1, work=Work.FREEZE)
+        code, out, err = await self.run(
+            "archive", container_id, tar, user=user, cap=cap + 1, work=Work.FREEZE
+        )
         if code != 0 or len(out) > cap:
             raise DockerOpError("archive", "api_error", f"tar of {path} failed ({code}): {err!r}")
         return out
 
-    async def restore_dir(self, container_id: str, path: str, archive: bytes) -> None:
-        """Unpack a tar made by archive_dir into `path`."""
+    async def restore_dir(self, container_id: str, path: str, archive: bytes, user: str) -> None:
+        """Unpack a tar made by archive_dir into `path`, as `user`."""
         tar = ["tar", "-C", path, "-xf", "-"]
-        code, _, err = await self.run("restore", container_id, tar, stdin=archive)
+        code, _, err = await self.run("restore", container_id, tar, user=user, stdin=archive)
         if code != 0:
             raise DockerOpError(
                 "restore", "api_error", f"untar into {path} failed ({code}): {err!r}"

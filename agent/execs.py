@@ -267,12 +267,16 @@ class Execs:
         proc: RunningCommand | None = None
         if not stdin:  # the resident loop gives no stdin and no terminal
             workdir = req.workdir or sandbox.spec.workdir
+            # a loop whose exec is starting is there in a moment: the command takes it
+            # rather than an engine exec of its own
+            await sandbox.loop_started()
             proc = await agent.resident.start(sandbox, req.cmd, env, workdir)
         if proc is None:
             try:
                 proc = await agent.docker.start(
                     cid,
                     req.cmd,
+                    user=sandbox.spec.user,
                     env=env,
                     workdir=req.workdir,
                     stdin=stdin,

@@ -282,7 +282,9 @@ class Agent:
             cid = record.container_id
             await self.docker_or_502(self.docker.unpause(cid, Work.FREEZE))  # tar runs inside
             try:
-                archive = await self.docker.archive_dir(cid, spec.workdir, spec.workdir_mb << 20)
+                archive = await self.docker.archive_dir(
+                    cid, spec.workdir, spec.workdir_mb << 20, spec.user
+                )
                 image = await self.docker.commit(cid, HIBERNATED_REPOSITORY, sandbox_id)
             except DockerOpError as e:
                 self.docker_failed(e)
@@ -313,7 +315,7 @@ class Agent:
                 Work.CLIENT,  # a lease waits for this restore
                 self.resident.prepare(record.id),
             )
-            await self.docker.restore_dir(record.container_id, spec.workdir, archive)
+            await self.docker.restore_dir(record.container_id, spec.workdir, archive, spec.user)
         except DockerOpError as e:
             self.docker_failed(e)
             if record.container_id:

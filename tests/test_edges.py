@@ -252,7 +252,7 @@ class SnapshotEngine(IdleEngine):
     async def unpause(self, container_id, work) -> None:
         return None
 
-    async def archive_dir(self, container_id, path, cap) -> bytes:
+    async def archive_dir(self, container_id, path, cap, user) -> bytes:
         return b"the work dir, as a tar"
 
     async def commit(self, container_id, repository, tag) -> str:

@@ -5,6 +5,7 @@ The whole reset on a real sandbox is in tests/test_recycle_live.py."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import subprocess
 import sys
@@ -75,9 +76,10 @@ def test_a_tree_too_deep_to_walk_is_reported_not_left_silently(tmp_path):
     root = tmp_path / "root"
     deep = root / "work"
     deep.mkdir(parents=True)
+    levels = sys.getrecursionlimit() + 100  # deeper than Python's walk can go
     fd = os.open(deep, os.O_RDONLY | os.O_DIRECTORY)
-    try:  # deeper than Python's recursion limit, made relative to the last level
-        for _ in range(sys.getrecursionlimit() + 100):
+    try:
+        for _ in range(levels):
             os.mkdir("a", dir_fd=fd)
             nxt = os.open("a", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
             os.close(fd)
@@ -89,6 +91,9 @@ def test_a_tree_too_deep_to_walk_is_reported_not_left_silently(tmp_path):
         assert _empty(fd, "/work") == ["file /work/a"]
     finally:
         os.close(fd)
+        for level in range(levels, 0, -1):  # bottom up: pytest's cleanup walks it as rmtree
+            with contextlib.suppress(FileNotFoundError):
+                os.rmdir(deep.joinpath(*["a"] * level))
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="joining another IPC namespace takes root")

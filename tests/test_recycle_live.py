@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import signal
 import time
 
 import aiohttp
@@ -206,20 +208,60 @@ async def test_a_reset_from_the_host_follows_no_symlink_the_tenant_made(client, 
     assert (outside / "keep").read_text() == "the host's"
 
 
+# What a lease tries on the processes a reset keeps (init, PID 1, and the template's
+# command, the child of init that started first): read their memory, write into it (as
+# a tenant would to leave code there for the next lease), read their environment, kill
+# every process it can. Each line says what happened.
+REACH_KEPT = """
+main=$(for d in /proc/[0-9]*; do read -r s < $d/stat; set -- ${s##*') '}
+  [ "$2" = 1 ] && echo "${20} ${d#/proc/}"; done | sort -n | head -1 | cut -d' ' -f2)
+for p in 1 $main; do
+  addr=$(( 0x$(head -1 /proc/$p/maps | cut -d- -f1) ))
+  dd if=/proc/$p/mem bs=1 count=4 skip=$addr of=/dev/null 2>/dev/null && echo "read $p"
+  printf x | dd of=/proc/$p/mem bs=1 seek=$addr conv=notrunc 2>/dev/null && echo "wrote $p"
+  cat /proc/$p/environ >/dev/null 2>&1 && echo "environ $p"
+done
+kill -9 -1
+"""
+
+
+async def test_no_lease_can_reach_into_the_processes_a_reset_keeps(client, docker_client):
+    """Init and the template's command outlive every lease of a recycled sandbox: they
+    run as a user of their own (KEEPER_USER), so a tenant can neither leave anything in
+    their memory for the next lease nor kill them."""
+    first = await client.acquire(timeout=60)
+    container = container_of(docker_client, first.id)
+    with contextlib.suppress(DsecError):  # the kill may end this very command's call
+        reached = await first.exec(["sh", "-c", REACH_KEPT], timeout=30)
+        assert reached.stdout == "", reached.stdout
+    container.reload()
+    assert container.status == "running"
+    await first.release()
+    second = await client.acquire(timeout=30)
+    try:
+        assert second.id == first.id and second.lease.path == "warm"
+    finally:
+        await second.release()
+
+
 @pytest.mark.parametrize(
     ("what", "mess"),
     [
         # a directory nested past PATH_MAX: rm -rf cannot name what is inside, so the
         # check finds the work dir not empty
         ("fails to verify", "i=0; while [ $i -lt 2100 ]; do mkdir a; cd a; i=$((i+1)); done"),
-        # the template's command killed (with every process of the user): the container
-        # stopped, and the reset cannot run in it
-        ("main process died", "kill -9 -1"),
+        # the template's command gone (killed from the host: no lease can): the
+        # container stopped, and the reset cannot run in it
+        ("main process died", None),
     ],
 )
 async def test_a_reset_that_fails_removes_the_sandbox(client, docker_client, what, mess):
     first = await client.acquire(timeout=60)
-    with contextlib.suppress(DsecError):  # a container that stops under it: 409
+    if mess is None:
+        container = container_of(docker_client, first.id)
+        [main] = [p for p in container.top()["Processes"] if p[-1] == "sleep 2147483647"]
+        os.kill(int(main[1]), signal.SIGKILL)
+    else:
         await first.exec(["sh", "-c", mess], timeout=60)
     await first.release()
     found = docker_client.containers.list(
