@@ -375,21 +375,22 @@ class AsyncDocker:
         user: str,
         work: Work,
         hold: Callable[[], contextlib.AbstractAsyncContextManager[bool]],
-    ) -> bool:
-        """Start `cmd` in the container and leave it running there; whether it started.
-        `hold()` is entered once the engine admits the work and held until the exec has
-        started; the exec starts only if it yields True. An exec that starts while the
-        container is being paused hangs in the engine for good (runc joins a frozen
-        cgroup), and so does everything after it on that container: the caller's hold
-        keeps pauses out meanwhile."""
+    ) -> int | None:
+        """Start `cmd` in the container and leave it running there; the host's PID of
+        its process (0 where the engine does not tell it), or None when it was not
+        started. `hold()` is entered once the engine admits the work and held until the
+        exec has started; the exec starts only if it yields True. An exec that starts
+        while the container is being paused hangs in the engine for good (runc joins a
+        frozen cgroup), and so does everything after it on that container: the caller's
+        hold keeps pauses out meanwhile."""
 
-        async def create_and_start() -> bool:
+        async def create_and_start() -> int | None:
             async with hold() as may_start:
                 if not may_start:
-                    return False
+                    return None
                 exec_ = await self._container(container_id).exec(cmd, user=user)
                 await exec_.start(detach=True)
-                return True
+                return int((await exec_.inspect()).get("Pid") or 0)
 
         return await self.call("exec_detached", create_and_start, work)
 

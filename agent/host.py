@@ -10,6 +10,9 @@ here the same work is a few system calls:
 - a reset (`reset_from_host`) does what agent/reset.py's script does inside the
   container, with no engine exec: kills every process but init and the template's main
   command, empties the directories, removes the SysV IPC objects, and checks all three.
+  It keeps the sandbox's command loop too where it is the very process the agent
+  started, in a shell no tenant can reach into (agent/resident.py), and unchanged: the
+  next lease's commands then need no engine exec to start it again.
 
 A process is signalled only through a pidfd that was checked, once open, to be in the
 container's cgroup, so a PID that another process took is never signalled. The
@@ -30,6 +33,7 @@ import signal
 import stat
 import threading
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
@@ -111,6 +115,43 @@ async def kill_pid_namespace(pid: int, container_id: str, wait_s: float = 2.0) -
         return False
     finally:
         os.close(pidfd)
+
+
+@dataclass(frozen=True)
+class LoopProcess:
+    """A sandbox's command loop (agent/resident.py) as the agent started it: its PID and
+    start time (a PID that another process took has another start time)."""
+
+    pid: int
+    started: int  # clock ticks since boot
+
+    @classmethod
+    def of(cls, pid: int) -> LoopProcess | None:
+        fields = _stat_fields(pid)
+        return cls(pid, int(fields[19])) if fields is not None else None
+
+    def runs(self, program: os.stat_result) -> bool:
+        """Whether it runs `program` (that file, not one of the same name)."""
+        try:
+            exe = os.stat(f"/proc/{self.pid}/exe")
+        except OSError:
+            return False
+        return (exe.st_dev, exe.st_ino) == (program.st_dev, program.st_ino)
+
+
+def _inherited(pid: int) -> tuple[str, ...] | None:
+    """What a process of the same user may change in another without reaching into its
+    memory, and the commands it starts inherit: resource limits, nice value, CPU
+    affinity, OOM score adjustment."""
+    try:
+        limits = Path(f"/proc/{pid}/limits").read_text()
+        status = Path(f"/proc/{pid}/status").read_text()
+        oom = Path(f"/proc/{pid}/oom_score_adj").read_text()
+    except OSError:
+        return None
+    fields = _stat_fields(pid)
+    cpus = [line for line in status.splitlines() if line.startswith("Cpus_allowed_list:")]
+    return (limits, fields[16] if fields else "?", *cpus, oom.strip())
 
 
 class HostSandbox:
@@ -197,6 +238,32 @@ class HostSandbox:
                     os.close(fd)
             await asyncio.sleep(0.01 if round_ > 3 else 0)
         return others
+
+    def unchanged(self, loop: LoopProcess, main: int, shell: os.stat_result) -> bool:
+        """Whether `loop` is still the process the agent started, running the node's
+        execute-only shell (so no tenant could reach into its memory), with what its
+        commands inherit as the template's command has it (which no lease can reach:
+        it runs as KEEPER_USER)."""
+        fields = _stat_fields(loop.pid)
+        return (
+            fields is not None
+            and int(fields[19]) == loop.started
+            and fields[0] != "Z"
+            and _in_cgroup_of(loop.pid, self.container_id)
+            and loop.runs(shell)
+            and (mine := _inherited(loop.pid)) is not None
+            and mine == _inherited(main)
+        )
+
+    def resume(self, pid: int) -> None:
+        """SIGCONT `pid` (a lease may have stopped it), if it is still the sandbox's."""
+        pidfd = open_in_container(pid, self.container_id)
+        if pidfd is not None:
+            try:
+                with contextlib.suppress(ProcessLookupError):
+                    signal.pidfd_send_signal(pidfd, signal.SIGCONT)
+            finally:
+                os.close(pidfd)
 
     async def settled(self, keep: set[int], within_s: float = SETTLE_S) -> set[int]:
         """Wait until only `keep` runs (killed processes take a moment to exit); what
@@ -306,20 +373,36 @@ def _clear_ipc(init_pid: int) -> list[str]:
     return [f"ipc {kind} {i}" for kind in _IPC_KINDS for i in listed(kind)]
 
 
-async def reset_from_host(init_pid: int, container_id: str, dirs: Iterable[str]) -> list[str]:
-    """Kill every process but init and the template's command, empty `dirs`, remove the
-    SysV IPC objects, and check: what is not as a fresh sandbox has it (empty when
-    clean). `Unavailable` when the host's side cannot be reached: the engine's reset,
-    which redoes it all, runs instead."""
+@dataclass
+class HostReset:
+    problems: list[str]  # what is not as a fresh sandbox has it: empty when clean
+    kept_loop: bool  # the command loop was kept, for the next lease
+
+
+async def reset_from_host(
+    init_pid: int,
+    container_id: str,
+    dirs: Iterable[str],
+    loop: LoopProcess | None = None,
+    shell: os.stat_result | None = None,
+) -> HostReset:
+    """Kill every process but init and the template's command (and the command loop
+    `loop`, when it is unchanged: `HostSandbox.unchanged`), empty `dirs`, remove the
+    SysV IPC objects, and check. `Unavailable` when the host's side cannot be reached:
+    the engine's reset, which redoes it all, runs instead."""
     sandbox = HostSandbox(init_pid, container_id)
     try:
         pids = sandbox.pids()
         main = sandbox.main(pids)
         if main is None:
-            return ["no main process: the sandbox's command has exited"]
+            return HostReset(["no main process: the sandbox's command has exited"], False)
         keep = {init_pid, main}
+        if loop is not None and shell is not None and sandbox.unchanged(loop, main, shell):
+            keep.add(loop.pid)
         if stubborn := await sandbox.kill_all_but(keep):
-            return [f"processes that will not die: {sorted(stubborn)}"]
+            return HostReset([f"processes that will not die: {sorted(stubborn)}"], False)
+        if loop is not None and loop.pid in keep:
+            sandbox.resume(loop.pid)
         dirs = list(dirs)
 
         def empty_and_clear() -> list[str]:
@@ -329,8 +412,9 @@ async def reset_from_host(init_pid: int, container_id: str, dirs: Iterable[str])
         problems = await in_own_thread(empty_and_clear)
         if left := await sandbox.settled(keep):
             problems.append(f"processes left: {sorted(left)}")
-        if gone := keep - sandbox.pids():
+        if gone := {init_pid, main} - sandbox.pids():
             problems.append(f"processes gone: {sorted(gone)} (init and the main command must run)")
-        return problems
+        kept = loop is not None and loop.pid in keep and loop.pid in sandbox.pids()
+        return HostReset(problems, kept)
     finally:
         sandbox.close()

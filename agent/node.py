@@ -434,7 +434,9 @@ class Agent:
                 sandbox.reset_from = req.lease_id
                 sandbox.last_active = self.clock.now()
                 self.metrics.observe_reset(path, sandbox.last_active - started)
-                if path == "engine":
+                if sandbox.loop is not None:  # kept, for the next lease's commands
+                    self.resident.flush_ctl(sandbox.id)
+                elif path == "engine":
                     sandbox.resident_tried_at = started  # the reset started its loop again
                 else:  # killed with the rest: started again, once the engine has time
                     sandbox.resident_tried_at = None
@@ -448,12 +450,11 @@ class Agent:
     async def _reset_locked(self, sandbox: Sandbox) -> str:
         """Reset from the host's side (agent/host.py), or where that cannot be reached,
         with one engine exec (agent/reset.py); which of the two did: "host" or "engine"."""
-        spec, cid = sandbox.spec, sandbox.record.container_id
         await self.thaw_locked(sandbox, Work.CLIENT)  # a frozen lease: LEASED again first
         await sandbox.loop_started()
-        dirs = reset_dirs(spec.workdir)
+        dirs = reset_dirs(sandbox.spec.workdir)
         for _ in range(RESET_ROUNDS):
-            path, problems = await self._reset_once(cid, dirs, spec)
+            path, problems = await self._reset_once(sandbox, dirs)
             self.resident.abort_all(sandbox.id)  # the reset killed their processes
             # with no command of the ended lease under way, nothing can have started after
             # the check at the reset's end: what it saw is what is left
@@ -468,9 +469,11 @@ class Agent:
             raise ApiError(409, "reset_failed", f"not clean after the reset: {'; '.join(problems)}")
         return path
 
-    async def _reset_once(
-        self, container_id: str, dirs: list[str], spec: TemplateSpec
-    ) -> tuple[str, list[str]]:
+    async def _reset_once(self, sandbox: Sandbox, dirs: list[str]) -> tuple[str, list[str]]:
+        """One round: which way it went, and what it found left. Keeps `sandbox.loop`
+        only where the loop outlived it unchanged."""
+        container_id, spec = sandbox.record.container_id, sandbox.spec
+        loop, sandbox.loop = sandbox.loop, None
         try:
             pid = await self.docker.init_pid(container_id)
         except DockerOpError as e:
@@ -479,7 +482,12 @@ class Agent:
             raise ApiError(409, "reset_failed", "its container is not running")
         try:
             async with asyncio.timeout(RESET_TIMEOUT_S):
-                return "host", await reset_from_host(pid, container_id, dirs)
+                done = await reset_from_host(
+                    pid, container_id, dirs, loop, self.resident.node_shell()
+                )
+            if done.kept_loop:
+                sandbox.loop = loop
+            return "host", done.problems
         except Unavailable as e:
             log.debug("reset of %s through the engine: %s", container_id[:12], e)
         except TimeoutError as e:

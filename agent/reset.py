@@ -115,9 +115,11 @@ done
 # The sandbox's resident command loop (agent/resident.py) was killed with the rest: it
 # starts again here, once the check has looked, so the next lease's commands need no
 # engine exec to start it. Orphaned at once, it outlives this command.
+# In the node's execute-only shell where its directory has one (agent/resident.py).
 START_LOOP = (
     f"[ -r {RESIDENT_MOUNT}/serve ] && "
-    f"(setsid sh {RESIDENT_MOUNT}/serve </dev/null >/dev/null 2>&1 &)\n"
+    f"(setsid $(command -v {RESIDENT_MOUNT}/sh || echo sh) {RESIDENT_MOUNT}/serve "
+    "</dev/null >/dev/null 2>&1 &)\n"
 )
 
 

@@ -8,7 +8,14 @@ pipes in a directory of its own per sandbox, bind-mounted read-only at `/.dsec`:
 
 - `serve`, the loop (SERVE_SCRIPT), started by one detached engine exec once the
   sandbox exists (when no more urgent work waits for the engine: `Work.RESIDENT`), as
-  the template's user, and again after a reset, which kills it with the rest;
+  the template's user;
+- `sh`, the shell the loop runs in: the host's static busybox, execute-only (mode 0111,
+  one copy per node hard-linked into every directory). A process that runs a program
+  its user cannot read is not dumpable: no tenant can read or write the loop's memory
+  (/proc/PID/mem, ptrace), which lets a reset from the host keep the loop for the next
+  lease (agent/host.py checks that it is that same process, unchanged) instead of
+  killing it and starting it again through the engine. Without a static busybox on the
+  host the loop runs in the image's `sh`, and every reset kills it;
 - `ctl`, a pipe the loop reads command ids from;
 - per command `ID.cmd` (the script: workdir, environment, argv), and pipes `ID.out`,
   `ID.err` and `ID.rc` (its exit code, written when it ends).
@@ -43,6 +50,8 @@ from typing import TYPE_CHECKING
 from agent.docker_driver import RESIDENT_MOUNT as MOUNT
 from agent.docker_driver import STDERR, STDOUT, DockerOpError, Process
 from agent.engine import Work
+from agent.host import LoopProcess
+from dsec.image import ImageBuildError, find_static_busybox
 from dsec.states import SandboxState
 
 if TYPE_CHECKING:
@@ -67,16 +76,21 @@ KILLED_EXIT_CODE = 137  # a command whose waiting copy of the loop was killed: a
 # end even when something kills it before it could write the code. It is orphaned at
 # once, so the sandbox's init reaps it, not the loop (which would leave zombies, counted
 # against the pids limit, until its next command). fd 3 (ctl) is closed in commands: a
-# command left running must not keep ctl open after the loop has gone.
+# command left running must not keep ctl open after the loop has gone. The command runs
+# in the image's own /bin/sh, named by its path: busybox, where the loop runs, would
+# take its own applets before the image's programs.
 SERVE_SCRIPT = f"""\
+[ -x /bin/sh ] || exit 1
 exec 3<>{MOUNT}/ctl
 while read -r id <&3; do
   case $id in ''|*[!0-9a-f]*) continue ;; esac
   ( (exec 4>"{MOUNT}/$id.rc"; echo started >&4
-     setsid sh "{MOUNT}/$id.cmd" </dev/null >"{MOUNT}/$id.out" 2>"{MOUNT}/$id.err" 4>&-
+     /bin/sh -c 'exec setsid sh "$1"' sh "{MOUNT}/$id.cmd" \\
+       </dev/null >"{MOUNT}/$id.out" 2>"{MOUNT}/$id.err" 4>&-
      echo $? >&4) & ) 3<&-
 done
 """
+SHELL = "sh"  # the loop's shell in its directory
 
 
 def command_script(argv: list[str], env: dict[str, str], workdir: str) -> str:
@@ -222,6 +236,10 @@ class Resident:
     def __init__(self, agent: Agent) -> None:
         self.agent = agent
         self.root = agent.config.state_dir / f"{agent.config.node_id}-resident"
+        # the node's one copy of the loop's shell (beside root: what is in root is
+        # sandboxes' directories); None until made, False where there is none
+        self.shell_path = agent.config.state_dir / f"{agent.config.node_id}-resident-sh"
+        self.shell: os.stat_result | None | bool = None
         self.starting: set[str] = set()  # sandboxes whose loop start waits for the engine
         self.running: dict[str, set[ResidentProcess]] = {}  # commands under way, by sandbox
 
@@ -241,7 +259,53 @@ class Resident:
             ctl.unlink(missing_ok=True)
             os.mkfifo(ctl, 0o600)
         ctl.chmod(0o666)
+        if self.node_shell() is not None:
+            (path / SHELL).unlink(missing_ok=True)
+            os.link(self.shell_path, path / SHELL)
         return path
+
+    def node_shell(self) -> os.stat_result | None:
+        """The node's execute-only copy of the host's static busybox, made once (None
+        where the host has none: the loop then runs in the image's sh)."""
+        if self.shell is None:
+            try:
+                busybox = find_static_busybox()
+            except ImageBuildError:
+                log.warning("no static busybox on this host: resets will restart command loops")
+                self.shell = False
+                return None
+            made = self.shell_path.with_suffix(".new")
+            shutil.copyfile(busybox, made)
+            made.chmod(0o111)  # run, never read: what keeps the loop undumpable
+            made.replace(self.shell_path)
+            self.shell = self.shell_path.stat()
+        return self.shell or None
+
+    def loop_argv(self, sandbox_id: str) -> list[str]:
+        if (self.dir_of(sandbox_id) / SHELL).exists():
+            return [f"{MOUNT}/{SHELL}", f"{MOUNT}/serve"]
+        return ["sh", f"{MOUNT}/serve"]  # a container made before loops had a shell
+
+    def flush_ctl(self, sandbox_id: str) -> None:
+        """Empty ctl of what an ended lease wrote there, and end a line it left unended
+        (the loop holds it until a newline): the next lease's first command id must not
+        be read joined to it."""
+        path = self.dir_of(sandbox_id) / "ctl"
+        with contextlib.suppress(OSError):
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
+            try:
+                while os.read(fd, CHUNK):
+                    pass
+            except BlockingIOError:
+                pass
+            finally:
+                os.close(fd)
+        with contextlib.suppress(OSError):
+            fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
+            try:
+                os.write(fd, b"\n")
+            finally:
+                os.close(fd)
 
     def abort_all(self, sandbox_id: str) -> None:
         """The sandbox's processes were all killed (a reset, a release): its commands
@@ -275,13 +339,15 @@ class Resident:
         async def start() -> None:
             started = True
             try:
-                started = await agent.docker.start_detached(
+                pid = await agent.docker.start_detached(
                     container_id,
-                    ["sh", f"{MOUNT}/serve"],
+                    self.loop_argv(sandbox.id),
                     user=sandbox.spec.user,
                     work=Work.RESIDENT,
                     hold=lambda: _unchanging(sandbox, container_id),
                 )
+                started = pid is not None
+                sandbox.loop = self._identify(pid) if pid else None
             except DockerOpError as e:  # gone, or no sh: commands take the engine's exec
                 agent.docker_failed(e)
             finally:
@@ -292,6 +358,13 @@ class Resident:
         task = asyncio.ensure_future(start())
         agent.operations.add(task)
         task.add_done_callback(agent.operations.discard)
+
+    def _identify(self, pid: int) -> LoopProcess | None:
+        """The loop just started, as a reset will know it again: only one that runs the
+        node's execute-only shell may outlive a lease."""
+        shell = self.node_shell()
+        found = LoopProcess.of(pid)
+        return found if shell is not None and found and found.runs(shell) else None
 
     async def start(
         self, sandbox: Sandbox, argv: list[str], env: dict[str, str], workdir: str

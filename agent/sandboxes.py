@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
+from agent.host import LoopProcess
 from agent.store import SandboxRecord
 from dsec.models import TemplateSpec
 from dsec.states import SandboxState, transition
@@ -22,6 +23,7 @@ class Sandbox:
     frozen_at: float | None = None  # set when paused, kept through hibernation
     reset_from: str | None = None  # the lease its last reset ended (a retry finds it done)
     resident_tried_at: float | None = None  # its command loop last started (agent/resident.py)
+    loop: LoopProcess | None = None  # that loop, where a reset may keep it (agent/host.py)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     # held while its command loop's exec starts (agent/resident.py), without `lock`: a
     # lease or a command need not wait for it, but a pause or a reset must

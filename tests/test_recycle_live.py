@@ -151,7 +151,7 @@ async def test_a_recycled_sandbox_keeps_nothing_of_its_previous_lease(client, do
         # (agent/resident.py; with the copy of it that started this command), which the
         # reset killed with the rest and the agent starts again once the engine has
         # time: it may not run yet. Nothing else
-        loop = "sh /.dsec/serve"
+        loop = "/.dsec/sh /.dsec/serve"
         listed = lines(after.stdout, "process")
         processes = [p for p in listed if p.split(" ", 1)[1].strip() != loop]
         assert len(processes) == 2, after.stdout
@@ -183,6 +183,62 @@ async def test_a_recycled_sandbox_keeps_nothing_of_its_previous_lease(client, do
         )
     finally:
         await second.release()
+
+
+# The loop's PID (the oldest process running it), this command's parent's command line,
+# and this command's nice value.
+LOOP_SEEN = """
+for p in $(ls /proc | sort -n); do
+  [ "$(tr '\\0' ' ' < /proc/$p/cmdline 2>/dev/null)" = "/.dsec/sh /.dsec/serve " ] &&
+    echo "loop $p" && break
+done
+echo "parent $(tr '\\0' ' ' < /proc/$PPID/cmdline)"
+read -r s < /proc/self/stat; set -- ${s##*') '}; echo "nice ${17}"
+"""
+
+
+async def loop_seen(sb) -> dict[str, str]:
+    """What LOOP_SEEN says, once a command runs through the loop (after a reset that
+    killed it, the loop is started again when the engine has time)."""
+    deadline = time.monotonic() + 30
+    while True:
+        seen = dict(
+            line.split(" ", 1)
+            for line in (await sb.exec(["sh", "-c", LOOP_SEEN])).stdout.splitlines()
+        )
+        if seen["parent"].strip() == "/.dsec/sh /.dsec/serve" or time.monotonic() > deadline:
+            return seen
+        await asyncio.sleep(0.2)
+
+
+async def test_a_reset_keeps_the_command_loop_only_as_it_was_started(client):
+    """A reset from the host keeps the sandbox's command loop for the next lease (no
+    engine exec to start it again) when no lease changed it; a loop that a lease
+    changed in what commands inherit (here its nice value) is killed with the rest.
+    Junk a lease left in the loop's ctl pipe (a line without its end) is emptied out."""
+    first = await client.acquire(timeout=60)
+    before = await loop_seen(first)
+    assert before["nice"] == "0" and "loop" in before, before
+    # a line without its end, which the loop would join to the next lease's first id
+    await first.exec(["sh", "-c", "printf abc > /.dsec/ctl"])
+    await first.release()
+    second = await client.acquire(timeout=30)
+    try:
+        assert second.id == first.id
+        kept = await loop_seen(second)
+        assert kept["loop"] == before["loop"], (before, kept)  # the very same process
+        assert kept["parent"].strip() == "/.dsec/sh /.dsec/serve", kept
+        renice = await second.exec(["renice", "-n", "15", "-p", kept["loop"]])
+        assert renice.exit_code == 0, renice  # a process of its own user: it may
+    finally:
+        await second.release()
+    third = await client.acquire(timeout=30)
+    try:
+        assert third.id == first.id
+        fresh = await loop_seen(third)
+        assert fresh["loop"] != kept["loop"] and fresh["nice"] == "0", (kept, fresh)
+    finally:
+        await third.release()
 
 
 async def test_a_reset_from_the_host_follows_no_symlink_the_tenant_made(client, tmp_path):

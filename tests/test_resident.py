@@ -10,6 +10,7 @@ to write its exit code); one the engine started has its parent outside the sandb
 from __future__ import annotations
 
 import asyncio
+import stat
 import uuid
 from collections.abc import AsyncIterator
 
@@ -35,13 +36,14 @@ from dsec.models import CreateSandbox, TemplateSpec
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 PARENT = ["sh", "-c", "[ $PPID = 0 ] && echo engine || tr '\\0' ' ' </proc/$PPID/cmdline"]
-THROUGH_LOOP, THROUGH_ENGINE = "sh /.dsec/serve", "engine"
+# the loop runs in the node's execute-only busybox (agent/resident.py)
+THROUGH_LOOP, THROUGH_ENGINE = "/.dsec/sh /.dsec/serve", "engine"
 # the oldest process running the loop's script is the loop (the rest are its copies)
 KILL_LOOP = [
     "sh",
     "-c",
     """for p in $(ls /proc | sort -n); do
-      [ "$(tr '\\0' ' ' < /proc/$p/cmdline)" = "sh /.dsec/serve " ] && kill $p && exit 0
+      [ "$(tr '\\0' ' ' < /proc/$p/cmdline)" = "/.dsec/sh /.dsec/serve " ] && kill $p && exit 0
     done 2>/dev/null; exit 1""",
 ]
 
@@ -123,6 +125,32 @@ async def test_the_loops_directory_is_read_only_to_the_sandbox(sb):
     assert await parent_of_command(sb) == THROUGH_LOOP
 
 
+# What a command tries on the loop, a process of its own user: read its shell's file,
+# read or write its memory, read its environment. Each line says what worked.
+REACH_LOOP = """
+loop=$(for p in $(ls /proc | sort -n); do
+  case "$(tr '\\0' ' ' < /proc/$p/cmdline 2>/dev/null)" in
+    *"sh /.dsec/serve ") echo $p; break ;;
+  esac
+done)
+[ -n "$loop" ] || { echo "no loop"; exit 1; }
+cat /.dsec/sh >/dev/null 2>&1 && echo "read its shell"
+head -1 /proc/$loop/maps 2>/dev/null | grep -q . && echo "maps"
+dd if=/proc/$loop/mem bs=1 count=1 skip=$((0x400000)) of=/dev/null 2>/dev/null && echo "read"
+printf x | dd of=/proc/$loop/mem bs=1 seek=$((0x400000)) conv=notrunc 2>/dev/null && echo "wrote"
+cat /proc/$loop/environ >/dev/null 2>&1 && echo "environ"
+echo tried
+"""
+
+
+async def test_no_command_can_reach_into_the_loop(sb):
+    """The loop runs a program its user cannot read, so the kernel makes it undumpable:
+    its memory and environment are out of a tenant's reach, though it runs as the
+    tenant's user (a reset may keep it for the next lease: agent/host.py)."""
+    reached = await sb.exec(["sh", "-c", REACH_LOOP])
+    assert reached.stdout == "tried\n", reached
+
+
 async def test_a_killed_loop_leaves_commands_to_the_engine_and_comes_back(sb):
     killed = await sb.exec(KILL_LOOP, timeout=10)
     assert killed.exit_code == 0, killed
@@ -148,7 +176,9 @@ async def test_the_loops_directory_goes_with_its_sandbox(pool):
             assert (path / "ctl").is_fifo()
             out = await sandbox.exec(["sh", "-c", r"printf '\377\001'"])
             assert out.stdout_bytes == b"\xff\x01"
-            assert sorted(p.name for p in path.iterdir()) == ["ctl", "serve"]  # none left over
+            assert sorted(p.name for p in path.iterdir()) == ["ctl", "serve", "sh"]  # none left
+            shell = (path / "sh").stat()  # the node's one copy, execute-only
+            assert stat.S_IMODE(shell.st_mode) == 0o111 and shell.st_nlink >= 2
 
         async def gone() -> bool:
             return not path.exists()
