@@ -272,6 +272,7 @@ async def refill_phase(
     before = await scale_events(url, admin, pool)
     held: list[Sandbox] = []
     warm_s: list[float] = []
+    warm_server_s: list[float] = []
     other: Counter[str] = Counter()
     creating_at: list[int] = []
     started = time.perf_counter()
@@ -285,6 +286,7 @@ async def refill_phase(
             held.append(sb)
             if sb.lease.path == "warm":
                 warm_s.append(took)
+                warm_server_s.append(sb.lease.schedule_ms / 1000)
             else:
                 other[sb.lease.path] += 1
         took_s = time.perf_counter() - started
@@ -299,6 +301,7 @@ async def refill_phase(
         "interval_s": args.warm_interval_s,
         "measured_s": round(took_s, 2),
         "warm_ms": summary_ms(warm_s),
+        "warm_server_ms": summary_ms(warm_server_s),
         "not_warm": dict(other),
         "creates_during": events.get("create", 0),
         "scale_events": events,
