@@ -10,15 +10,17 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import stat
 from collections.abc import AsyncIterator
 
 import aiohttp
 import pytest
 import pytest_asyncio
-from conftest import assert_stopped_then_removed, make_spec, started_pool
+from conftest import assert_stopped_then_removed, eventually, make_spec, started_pool
 from inprocess import InProcessControlPlane, inprocess_controlplane
 
+from agent.docker_driver import LABEL_SANDBOX
 from dsec.cli.up import LocalPool
 from dsec.client import Client, Sandbox
 from dsec.tokens import new_token
@@ -271,9 +273,15 @@ async def test_every_command_is_audited_outside_the_sandbox(pool, alice, docker_
         assert status == 400 and body["error"]["message"], (query, body)
 
 
-async def test_a_command_in_a_dead_sandbox_is_audited_with_its_error(pool, alice):
+async def test_a_command_in_a_dead_sandbox_is_audited_with_its_error(pool, alice, docker_client):
     sb = await alice.acquire()
-    await sb.exec(["sh", "-c", "kill -TERM 1; sleep 5"], timeout=10)
+    # its init killed from the host (no command of its own may signal it)
+    [container] = docker_client.containers.list(filters={"label": f"{LABEL_SANDBOX}={sb.id}"})
+    os.kill(container.attrs["State"]["Pid"], signal.SIGKILL)
+    await eventually(
+        lambda: not docker_client.api.inspect_container(container.id)["State"]["Running"],
+        "its container stopped",
+    )
     status, body = await call("POST", exec_url(sb), sb.lease.lease_token, {"cmd": ["true"]})
     assert_refused((status, body), 409, "sandbox_exited", "exec in a dead sandbox")
     await sb.release()

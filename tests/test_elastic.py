@@ -9,6 +9,7 @@ import pytest
 from conftest import eventually, make_spec, started_pool
 
 from agent.docker_driver import LABEL_NODE, LABEL_POOL, LABEL_SANDBOX
+from controlplane.config import default_templates
 from dsec.client import Client
 from dsec.models import Capacity, PoolParams
 
@@ -81,7 +82,7 @@ async def test_hibernation_keeps_files_and_releases_the_container(
     [sandbox_id] = await eventually(lambda: _ids(operator, name, "warm", 1))
     # what a previous tenant of the template left in its work dir (written from outside)
     docker_client.containers.get(f"dsec-{sandbox_id}").exec_run(
-        ["sh", "-c", "echo kept > /work/state"]
+        ["sh", "-c", "echo kept > /work/state"], user=default_templates()["base"].user
     )
     await operator.set_pool(
         name,
