@@ -261,7 +261,10 @@ class Resident:
         ctl.chmod(0o666)
         if self.node_shell() is not None:
             (path / SHELL).unlink(missing_ok=True)
-            os.link(self.shell_path, path / SHELL)
+            try:
+                os.link(self.shell_path, path / SHELL)
+            except OSError as e:  # another file system, say: the loop runs in the image's sh
+                log.warning("the command loop's shell cannot be linked for %s: %s", sandbox_id, e)
         return path
 
     def node_shell(self) -> os.stat_result | None:
