@@ -3,6 +3,11 @@
 Docker labels are fixed at creation, so a lease given to a warm sandbox later can
 only live here. One SQLite file per node; every call runs on a single worker thread
 (SQLite connections are not shared across threads, and the loop never waits on disk).
+
+Writes are committed in groups: the writes asked for while one group commits go
+together in the next, each caller answered once its group is on disk. A lease's write
+then waits for at most one group, never behind each of the hundreds of creates' and
+removals' writes of a burst, one transaction apiece.
 """
 
 from __future__ import annotations
@@ -23,6 +28,9 @@ CREATE TABLE IF NOT EXISTS sandboxes (
     record TEXT NOT NULL
 )
 """
+
+
+Write = tuple[str, tuple]  # a statement and its arguments
 
 
 @dataclass
@@ -46,6 +54,9 @@ class SandboxStore:
         self.path = path
         self._pool = ThreadPoolExecutor(1, "agent-store")
         self._conn: sqlite3.Connection | None = None
+        # writes waiting for the next group, each with its caller's future
+        self._waiting: list[tuple[Write, asyncio.Future[None]]] = []
+        self._committing: asyncio.Task | None = None
 
     def _connect(self) -> sqlite3.Connection:
         if self._conn is None:
@@ -63,18 +74,36 @@ class SandboxStore:
     async def _run(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
-    def _put(self, record: SandboxRecord) -> None:
+    def _commit(self, writes: list[Write]) -> None:
+        """One transaction for the group, its writes in the order asked."""
         conn = self._connect()
         with conn:
-            conn.execute(
-                "INSERT OR REPLACE INTO sandboxes (id, record) VALUES (?, ?)",
-                (record.id, json.dumps(asdict(record))),
-            )
+            for sql, args in writes:
+                conn.execute(sql, args)
 
-    def _delete(self, sandbox_id: str) -> None:
-        conn = self._connect()
-        with conn:
-            conn.execute("DELETE FROM sandboxes WHERE id = ?", (sandbox_id,))
+    async def _write(self, sql: str, args: tuple) -> None:
+        done = asyncio.get_running_loop().create_future()
+        self._waiting.append(((sql, args), done))
+        if self._committing is None:
+            self._committing = asyncio.ensure_future(self._commit_groups())
+        await done
+
+    async def _commit_groups(self) -> None:
+        try:
+            while self._waiting:
+                group, self._waiting = self._waiting, []
+                try:
+                    await self._run(self._commit, [write for write, _ in group])
+                except Exception as e:  # the group's callers each hear of it
+                    for _, done in group:
+                        if not done.done():
+                            done.set_exception(e)
+                else:
+                    for _, done in group:
+                        if not done.done():
+                            done.set_result(None)
+        finally:
+            self._committing = None
 
     def _all(self) -> list[SandboxRecord]:
         rows = self._connect().execute("SELECT record FROM sandboxes").fetchall()
@@ -86,14 +115,22 @@ class SandboxStore:
             self._conn = None
 
     async def put(self, record: SandboxRecord) -> None:
-        await self._run(self._put, record)
+        await self._write(
+            "INSERT OR REPLACE INTO sandboxes (id, record) VALUES (?, ?)",
+            (record.id, json.dumps(asdict(record))),
+        )
 
     async def delete(self, sandbox_id: str) -> None:
-        await self._run(self._delete, sandbox_id)
+        await self._write("DELETE FROM sandboxes WHERE id = ?", (sandbox_id,))
 
     async def all(self) -> list[SandboxRecord]:
+        """Every record, as written: reads wait for the writes asked for before them."""
+        if self._committing is not None:
+            await asyncio.shield(self._committing)
         return await self._run(self._all)
 
     async def close(self) -> None:
+        if self._committing is not None:
+            await asyncio.shield(self._committing)  # what was asked is written first
         await self._run(self._close)
         self._pool.shutdown(wait=True)
