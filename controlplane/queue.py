@@ -6,6 +6,7 @@ import asyncio
 from dataclasses import dataclass, field
 
 from dsec.models import Lease
+from dsec.policy import RequestSnap
 
 
 def scoped_key(owner: str | None, key: str | None) -> str | None:
@@ -31,10 +32,31 @@ class PendingRequest:
     reservation: str | None = None  # the sandbox being created for it
     claimed: bool = False  # a sandbox is being leased to it
     waiters: int = 0  # acquires waiting on it (a retry with its key is one more)
+    # what the policy is shown of it, with the refusals it was made from (refused_by only
+    # grows, so its length says whether it changed)
+    _snap: tuple[int, str | None, RequestSnap] | None = field(
+        default=None, init=False, repr=False, compare=False
+    )
 
     @property
     def scoped_key(self) -> str | None:
         return scoped_key(self.owner, self.idempotency_key)
+
+    def snap(self) -> RequestSnap:
+        """What the policy sees of it (the same object while its refusals are the same)."""
+        made = self._snap
+        if made is None or made[0] != len(self.refused_by) or made[1] != self.template_refusal:
+            request = RequestSnap(
+                self.id,
+                self.pool,
+                self.template,
+                self.priority,
+                self.arrived_at,
+                frozenset(self.refused_by),
+                self.template_refusal,
+            )
+            made = self._snap = (len(self.refused_by), self.template_refusal, request)
+        return made[2]
 
 
 class RequestQueues:

@@ -25,7 +25,7 @@ from controlplane.config import ControlPlaneConfig, not_recyclable
 from controlplane.leases import Leases
 from controlplane.metrics import ControlPlaneMetrics, SandboxSeconds, ViewCollector
 from controlplane.prewarm import Prewarms
-from controlplane.queue import RequestQueues
+from controlplane.queue import PendingRequest, RequestQueues
 from controlplane.view import ClusterView, SandboxEntry
 from dsec.baselines import Policy, make_policy
 from dsec.clock import Clock
@@ -39,7 +39,6 @@ from dsec.policy import (
     CloudSnap,
     Create,
     ExpireLease,
-    RequestSnap,
     Snapshot,
     TemplateSnap,
     Unplaceable,
@@ -105,17 +104,18 @@ class Scheduler:
         now = self.clock.now()
         self.ticks += 1
         self.sandbox_seconds.account(now)
-        self._observe_demand(now)
+        waiting = self.queues.waiting()
+        self._observe_demand(now, waiting)
         for node in self.view.mark_silent_nodes(now, self.config.heartbeat_timeout_s):
             log.warning("node %s missed heartbeats: out of placement", node.id)
         self.actuator.retry_destroys(now)
-        actions = self.policy.decide(self.snapshot(now), self.config.pools, now)
+        actions = self.policy.decide(self.snapshot(now, waiting), self.config.pools, now)
         self.apply(actions, now)
 
-    def _observe_demand(self, now: float) -> None:
+    def _observe_demand(self, now: float, waiting: list[PendingRequest]) -> None:
         """Concurrency per (pool, template), leased plus waiting: the peak sizes warm pools."""
         demand = {key: n for key, n in self.view.assigned.items() if n}
-        for req in self.queues.waiting():
+        for req in waiting:
             demand[(req.pool, req.template)] = demand.get((req.pool, req.template), 0) + 1
         for pool, params in self.config.pools.items():
             for template in params.templates:
@@ -123,23 +123,13 @@ class Scheduler:
         for key, n in demand.items():
             self.peaks.observe(key, n, now)
 
-    def snapshot(self, now: float) -> Snapshot:
+    def snapshot(self, now: float, waiting: list[PendingRequest]) -> Snapshot:
+        """What the policy decides on, with `waiting` the requests not yet handed a sandbox."""
         templates = {
             name: TemplateSnap(name, t.image, t.cpus, t.memory_limit_mb, t.may_overflow)
             for name, t in self.config.templates.items()
         }
-        requests = tuple(
-            RequestSnap(
-                r.id,
-                r.pool,
-                r.template,
-                r.priority,
-                r.arrived_at,
-                frozenset(r.refused_by),
-                r.template_refusal,
-            )
-            for r in self.queues.waiting()
-        )
+        requests = tuple(r.snap() for r in waiting)
         cloud = None
         if self.cloud is not None:
             cloud = CloudSnap(

@@ -17,6 +17,7 @@ every sandbox of the node.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -75,6 +76,15 @@ class NodeEntry:
         return None if agent_time is None else min(now, agent_time + self.clock_offset)
 
 
+# what of a SandboxEntry its SandboxSnap holds: a change to one of them makes a new snap
+_SNAPPED = frozenset(
+    (
+        "id", "node", "pool", "template", "state", "since", "reserved_for", "idle_since",
+        "frozen_at", "leased_at", "renewed_at",
+    )
+)  # fmt: skip
+
+
 @dataclass
 class SandboxEntry:
     id: str
@@ -103,10 +113,35 @@ class SandboxEntry:
     renewed_at: float | None = None  # when its client last renewed the lease
     lease_expires_at: int | None = None  # Unix second its lease token ends (Leases.token_of)
     ended: LeaseEnd = "released"  # why it goes, once it does: what its agent tells clients
+    # what the policy is shown of it, kept from tick to tick while none of that changes
+    _snap: SandboxSnap | None = field(default=None, init=False, repr=False, compare=False)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        if name in _SNAPPED:
+            object.__setattr__(self, "_snap", None)
+        object.__setattr__(self, name, value)
 
     @property
     def needs(self) -> Resources:
         return Resources(self.cpus, self.memory_mb, 1)
+
+    def snap(self) -> SandboxSnap:
+        """What the policy sees of it (the same object while nothing of that changes)."""
+        if self._snap is None:
+            self._snap = SandboxSnap(
+                self.id,
+                self.node,
+                self.pool,
+                self.template,
+                self.state,
+                self.since,
+                self.reserved_for,
+                idle_since=self.idle_since,
+                frozen_at=self.frozen_at,
+                leased_at=self.leased_at,
+                renewed_at=self.renewed_at,
+            )
+        return self._snap
 
 
 @dataclass
@@ -149,6 +184,9 @@ class ClusterView:
         self._changes_at: dict[str, float] = {}
         # nodes not serving at the last snapshot: their sandboxes are left alone
         self._not_serving: set[str] = set()
+        # no node had gone without a report since before this, at the last look for silent
+        # ones: until it is a timeout ago, none can have missed its heartbeats
+        self._earliest_seen = -math.inf
 
     def _count(self, entry: SandboxEntry, sign: int) -> None:
         self._dirty_nodes.add(entry.node)
@@ -415,6 +453,10 @@ class ClusterView:
     def mark_silent_nodes(self, now: float, timeout_s: float) -> list[NodeEntry]:
         """Nodes past the heartbeat timeout stop taking placements; their sandboxes are lost.
         A drained node that goes silent has left as its operator meant: it is forgotten."""
+        if now - self._earliest_seen <= timeout_s:
+            # every node has reported since: none is silent, and none was at the last look
+            # (a node out for silence stays out until it reports, and then is new)
+            return []
         newly_down = []
         for node in list(self.nodes.values()):
             alive = now - node.last_seen <= timeout_s
@@ -430,6 +472,7 @@ class ClusterView:
                     if entry.state not in TERMINAL:
                         self.move(entry, SandboxState.LOST, now)
             node.healthy = alive
+        self._earliest_seen = min(now, *(node.last_seen for node in self.nodes.values()))
         return newly_down
 
     def node_snaps(self, now: float) -> tuple[NodeSnap, ...]:
@@ -480,17 +523,17 @@ class ClusterView:
         lease-idle freezing and expiry; None leaves leases out). One with a call in
         flight, or backing off after a failed one (until its `retry_at`), is left out:
         nothing is decided about it until it can be acted on."""
-        snaps = [_snap(s) for s in self.by_state[SandboxState.CREATING].values()]
+        snaps = [s.snap() for s in self.by_state[SandboxState.CREATING].values()]
         for state in (SandboxState.WARM, SandboxState.PAUSED, SandboxState.HIBERNATED):
             snaps.extend(
-                _snap(s)
+                s.snap()
                 for s in self.by_state[state].values()
                 if not s.op_in_flight and s.retry_at <= now
             )
         if lease_due is not None:
             for state in (SandboxState.LEASED, SandboxState.LEASED_PAUSED):
                 snaps.extend(
-                    _snap(s)
+                    s.snap()
                     for s in self.by_state[state].values()
                     if not s.op_in_flight and s.retry_at <= now and lease_due(s)
                 )
@@ -504,19 +547,3 @@ class ClusterView:
                 if s.node not in self._not_serving or s.state == SandboxState.CREATING
             ]
         return tuple(snaps)
-
-
-def _snap(s: SandboxEntry) -> SandboxSnap:
-    return SandboxSnap(
-        s.id,
-        s.node,
-        s.pool,
-        s.template,
-        s.state,
-        s.since,
-        s.reserved_for,
-        idle_since=s.idle_since,
-        frozen_at=s.frozen_at,
-        leased_at=s.leased_at,
-        renewed_at=s.renewed_at,
-    )

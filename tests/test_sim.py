@@ -13,11 +13,13 @@ import pytest
 from bench.generate import generate
 from bench.report import build_report
 from bench.sim import simulate
-from bench.sim.agents import Engine
+from bench.sim.agents import Engine, SimSandbox
 from bench.sim.loop import VirtualClock, VirtualTimeLoop
 from bench.sim.profile import OPS, Profile
 from dsec.baselines import POLICIES
-from dsec.models import PoolParams
+from dsec.models import CreateSandbox, PoolParams, TemplateSpec
+from dsec.policy import Resources
+from dsec.states import SandboxState as S
 
 
 def small_trace(n: int = 60, seed: int = 5):
@@ -252,3 +254,17 @@ def test_a_contended_simulation_is_the_same_for_the_same_seed():
                      shared_engine=True) for _ in range(2)]  # fmt: skip
     summary = [[(r.episode, r.schedule_ms, r.path, r.node) for r in run.records] for run in runs]
     assert summary[0] == summary[1]
+
+
+def test_a_sandboxs_row_says_when_its_command_ended_without_a_change_of_its_own():
+    """Rows are kept until the sandbox changes; a command that ends changes the row by
+    the passing of time alone (active_at: None while it runs, then when it ended)."""
+    spec = CreateSandbox(sandbox_id="n.0000000000000001", pool="p",
+                         template=TemplateSpec(name="t", image="img"), request_id="r")  # fmt: skip
+    sb = SimSandbox(S.WARM, Resources(1, 1, 1), spec, created_at=0.0)
+    assert sb.row(1.0).active_at == 0.0 and sb.row(2.0) is sb.row(1.0)
+    sb.busy_s, sb.busy_until = 2.0, 5.0  # a command from now to 5
+    assert sb.row(3.0).active_at is None and sb.row(4.9).active_at is None
+    assert sb.row(5.0).active_at == 5.0 and sb.row(5.0).busy_s == 2.0
+    sb.state = S.LEASED
+    assert sb.row(6.0).state == S.LEASED

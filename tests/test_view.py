@@ -70,3 +70,41 @@ def test_an_illegal_transition_is_refused_and_changes_nothing():
     with pytest.raises(IllegalTransition):
         view.move(e, SandboxState.CREATING, 1)
     assert e.state == SandboxState.WARM and view.used("n") == Resources(1, 1, 1)
+
+
+def test_a_sandboxs_snap_is_kept_until_a_field_the_policy_sees_changes():
+    """The view keeps each sandbox's SandboxSnap from tick to tick. The leases and the
+    actuator write an entry's fields directly: every such write shows in the next snap."""
+    view = ClusterView(confirm_grace_s=1)
+    e = SandboxEntry(
+        id="n.0000000000000001", node="n", pool="p", template="t",
+        state=SandboxState.WARM, since=0, created_at=0, cpus=1, memory_mb=1,
+    )  # fmt: skip
+    view.add(e)
+    kept = e.snap()
+    e.busy_s, e.confirmed_at, e.op_in_flight = 3.0, 4.0, True  # not in a snap
+    assert e.snap() is kept
+    changes = {
+        "pool": "q", "reserved_for": "r1", "idle_since": 5.0, "frozen_at": 6.0,
+        "leased_at": 7.0, "renewed_at": 8.0, "since": 9.0, "node": "m", "template": "u",
+    }  # fmt: skip
+    for name, value in changes.items():
+        setattr(e, name, value)
+        assert getattr(e.snap(), name) == value, name
+    view.move(e, SandboxState.PAUSED, 10.0)
+    assert (e.snap().state, e.snap().since) == (SandboxState.PAUSED, 10.0)
+    e.op_in_flight = False
+    assert view.sandbox_snaps(11.0, None) == (e.snap(),)
+
+
+def test_a_node_is_found_silent_once_past_the_timeout_and_not_before():
+    view = ClusterView(confirm_grace_s=1)
+    for i, seen in enumerate((0.0, 5.0)):
+        view.nodes[f"n{i}"] = NodeEntry(
+            f"n{i}", "local", "", Resources(8, 8, 8), frozenset(), "x", seen
+        )
+    assert view.mark_silent_nodes(10.0, timeout_s=10) == []
+    assert [n.id for n in view.mark_silent_nodes(10.5, timeout_s=10)] == ["n0"]
+    assert view.mark_silent_nodes(14.0, timeout_s=10) == []  # already out: once
+    assert [n.id for n in view.mark_silent_nodes(15.5, timeout_s=10)] == ["n1"]
+    assert not view.nodes["n0"].healthy and not view.nodes["n1"].healthy

@@ -53,6 +53,8 @@ URL_SCHEME = "sim://"
 REPORTED_PER_S = 1000
 # what a live agent says when its node lacks the template's image
 IMAGE_MISSING = "docker_image_not_found"
+# what of a SimSandbox its heartbeat row is made from, that changes
+_ROW_FROM = frozenset(("state", "lease", "busy_s", "busy_until", "frozen_at"))
 
 
 @dataclass
@@ -65,37 +67,41 @@ class SimSandbox:
     busy_s: float = 0.0  # commands run, all time (played ahead: may end in the future)
     busy_until: float = 0.0  # when its last command ends
     frozen_at: float | None = None  # when it was first frozen
-    _row: SandboxRow | None = None
-    _row_key: tuple = ()  # what of the sandbox its row was made from, that changes
+    _row: SandboxRow | None = None  # its last row, until what it was made from changes
+
+    def __setattr__(self, name: str, value: object) -> None:
+        if name in _ROW_FROM:
+            object.__setattr__(self, "_row", None)
+        object.__setattr__(self, name, value)
 
     def leased(self, grant: LeaseGrant | None) -> None:
         """Given to a lease, or back from one (None: recycled into the warm pool)."""
-        self.lease, self._row = grant, None
+        self.lease = grant
 
     def row(self, now: float) -> SandboxRow:
         """What its agent's heartbeat says of it (agent/report.py, sandbox_row). Made anew
         only when it changes: the report sequence then finds it unchanged at once."""
+        row = self._row
+        if row is not None and (row.active_at is not None or self.busy_until > now):
+            return row  # nothing changed, nor has a command running then ended since
         active_at = None if self.busy_until > now else self.busy_until
-        key = (self.state, self.busy_s, active_at, self.frozen_at)
-        if self._row is None or key != self._row_key:
-            lease = self.lease
-            self._row_key = key
-            self._row = SandboxRow(
-                id=self.spec.sandbox_id,
-                pool=lease.pool if lease else self.spec.pool,
-                template=self.spec.template.name,
-                state=self.state,
-                created_at=self.created_at,
-                cpus=self.needs.cpus,
-                memory_mb=self.needs.memory_mb,
-                lease_id=lease.lease_id if lease else None,
-                idempotency_key=lease.idempotency_key if lease else None,
-                owner=lease.owner if lease else None,
-                busy_s=self.busy_s,
-                active_at=active_at,
-                frozen_at=self.frozen_at,
-            )
-        return self._row
+        lease = self.lease
+        self._row = row = SandboxRow(
+            id=self.spec.sandbox_id,
+            pool=lease.pool if lease else self.spec.pool,
+            template=self.spec.template.name,
+            state=self.state,
+            created_at=self.created_at,
+            cpus=self.needs.cpus,
+            memory_mb=self.needs.memory_mb,
+            lease_id=lease.lease_id if lease else None,
+            idempotency_key=lease.idempotency_key if lease else None,
+            owner=lease.owner if lease else None,
+            busy_s=self.busy_s,
+            active_at=active_at,
+            frozen_at=self.frozen_at,
+        )
+        return row
 
 
 class Job:
@@ -123,7 +129,9 @@ class Engine:
     def __init__(self, profile: Profile) -> None:
         self.profile = profile
         self.running = 0  # jobs that count as load
-        self.jobs: set[Job] = set()
+        # in the order they started (a dict, not a set of objects hashed by address: jobs
+        # that end together end in that order, and their speeds add up in it, every run)
+        self.jobs: dict[Job, None] = {}
         # windows of load as a heap of (time, change, kind): kind 0 an exec's start,
         # 1 a command in flight; in_windows[kind] is how many are open
         self._edges: list[tuple[float, int, int]] = []
@@ -165,7 +173,7 @@ class Engine:
         took = self.profile.draw(op, rng, load)
         left = took / self.profile.slowdown(op, self.profile.measured_load(op, load))
         job = Job(op, counts, left, loop.create_future())
-        self.jobs.add(job)
+        self.jobs[job] = None
         self.running += counts
         self._schedule(loop)
         try:
@@ -176,7 +184,7 @@ class Engine:
                 self._schedule(loop)
 
     def _leave(self, job: Job) -> None:
-        self.jobs.discard(job)
+        self.jobs.pop(job, None)
         self.running -= job.counts
 
     def _catch_up(self, now: float) -> None:
