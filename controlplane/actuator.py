@@ -51,7 +51,9 @@ class Actuator:
         sandbox_seconds: SandboxSeconds,
         wake: Callable[[], None],
         cloud: CloudProvider | None = None,
+        ids: Callable[[int], str] = secrets.token_hex,
     ) -> None:
+        self.ids = ids
         self.config = config
         self.view = view
         self.queues = queues
@@ -155,7 +157,7 @@ class Actuator:
         if node is None or template is None:
             return
         entry = SandboxEntry(
-            id=f"{node.id}.{secrets.token_hex(8)}",
+            id=f"{node.id}.{self.ids(8)}",
             node=node.id,
             pool=action.pool,
             template=action.template,

@@ -52,7 +52,9 @@ class Leases:
         clock: Clock,
         metrics: ControlPlaneMetrics,
         wake: Callable[[], None],
+        ids: Callable[[int], str] = secrets.token_hex,
     ) -> None:
+        self.ids = ids
         self.config = config
         self.view = view
         self.queues = queues
@@ -282,7 +284,7 @@ class Leases:
         if quota is not None:
             self._check_room(quota, owner)
         req = PendingRequest(
-            id=secrets.token_hex(8),
+            id=self.ids(8),
             pool=body.pool,
             template=body.template,
             priority=body.priority,

@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import logging
 import math
+import secrets
 from collections.abc import Callable
 
 from controlplane.actuator import Actuator
@@ -58,6 +59,7 @@ class Scheduler:
         metrics: ControlPlaneMetrics,
         cloud: CloudProvider | None = None,
         policy: Policy | None = None,
+        ids: Callable[[int], str] = secrets.token_hex,
     ) -> None:
         self.config = config
         self.view = view
@@ -71,10 +73,13 @@ class Scheduler:
         self.prewarms = Prewarms()
         self.wakeup = asyncio.Event()
         self.sandbox_seconds = SandboxSeconds(view, metrics, clock.now())
+        # sandbox and request ids (hex of n bytes): random, or drawn from the simulator's
+        # seed, whose policy samples nodes by request id (a run must repeat)
         self.actuator = Actuator(
-            config, view, queues, agents, clock, metrics, self.sandbox_seconds, self.wake, cloud
-        )
-        self.leases = Leases(config, view, queues, self.actuator, clock, metrics, self.wake)
+            config, view, queues, agents, clock, metrics, self.sandbox_seconds, self.wake, cloud,
+            ids,
+        )  # fmt: skip
+        self.leases = Leases(config, view, queues, self.actuator, clock, metrics, self.wake, ids)
         self.ticks = 0
         self.leases_looked_at = -math.inf
 
@@ -250,17 +255,19 @@ def build_scheduler(
     cloud: CloudProvider | None = None,
     policy: Policy | None = None,
     confirm_grace_s: float | None = None,
+    ids: Callable[[int], str] = secrets.token_hex,
 ) -> Scheduler:
     """The scheduler with its view, queues and metrics, as the app, the simulator and
     the test harness all run it. `confirm_grace_s`: how long a report may lag behind an
     outcome the control plane saw (two heartbeat timeouts unless said; 0 where reports
-    are never late, as in the simulator)."""
+    are never late, as in the simulator). `ids`: where sandbox and request ids come from
+    (hex of n bytes)."""
     if confirm_grace_s is None:
         confirm_grace_s = 2 * config.heartbeat_timeout_s
     metrics = ControlPlaneMetrics()
     view = ClusterView(confirm_grace_s=confirm_grace_s)
     queues = RequestQueues()
-    scheduler = Scheduler(config, view, queues, agents, clock, metrics, cloud, policy)
+    scheduler = Scheduler(config, view, queues, agents, clock, metrics, cloud, policy, ids)
     metrics.watch(
         ViewCollector(
             view,

@@ -18,7 +18,7 @@ from bench.sim.loop import VirtualClock, VirtualTimeLoop
 from bench.sim.profile import OPS, Profile
 from dsec.baselines import POLICIES
 from dsec.models import CreateSandbox, PoolParams, TemplateSpec
-from dsec.policy import Resources
+from dsec.policy import SAMPLE_ABOVE, SAMPLE_SIZE, Resources
 from dsec.states import SandboxState as S
 
 
@@ -56,6 +56,18 @@ def test_same_seed_same_run_other_seed_other_run():
     for run in runs:
         run.meta.pop("wall_s")  # the one figure that depends on the machine, not the seed
     assert build_report(runs[0]) == build_report(runs[1])
+
+
+def test_the_same_seed_repeats_a_run_on_more_nodes_than_the_policy_looks_at():
+    """Past SAMPLE_ABOVE nodes the policy samples candidates by request id: the ids come
+    from the seed too, or two runs differ (where each sandbox went, at least)."""
+    trace = generate(kind="burst", burst_size=80, burst_window_s=1.0, seed=5,
+                     lifetime_p50_s=20, lifetime_p99_s=60, mean_step_s=5)  # fmt: skip
+    nodes = SAMPLE_ABOVE + 8
+    runs = [simulate(trace, seed=7, nodes=nodes, slots_per_node=4) for _ in range(2)]
+    placed = [[(r.episode, r.schedule_ms, r.path, r.node) for r in run.records] for run in runs]
+    assert placed[0] == placed[1]
+    assert len({node for *_, node in placed[0]}) > SAMPLE_SIZE  # sampling was at work
 
 
 def test_a_simulated_run_reports_every_field():

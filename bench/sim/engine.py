@@ -109,9 +109,12 @@ async def _simulate(loop: VirtualTimeLoop, episodes: list[Episode], **o) -> RunR
     )
     agents = SimAgents(o["profile"], rng, o["shared_engine"])
     # reports are never late here: each is the simulated agents' state at its instant
+    # ids from the seed too, in a stream of their own: the policy samples nodes by them
+    ids = random.Random(f"ids-{o['seed']}")
     scheduler = build_scheduler(
-        config, agents, clock, policy=make_policy(o["policy"]), confirm_grace_s=0
-    )
+        config, agents, clock, policy=make_policy(o["policy"]), confirm_grace_s=0,
+        ids=lambda n: f"{ids.getrandbits(8 * n):0{2 * n}x}",
+    )  # fmt: skip
     view, metrics = scheduler.view, scheduler.metrics
     ticks = Ticks(scheduler, o["decide_within"])
     agents.on_ready = ticks.ready
