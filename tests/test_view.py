@@ -60,12 +60,16 @@ def test_running_totals_match_a_recount_through_random_changes():
     assert sum(len(m) for m in view.by_state.values()) == len(view.sandboxes)
 
 
-def test_an_illegal_transition_is_refused_and_changes_nothing():
-    view = ClusterView(confirm_grace_s=1)
-    e = SandboxEntry(
+def warm_entry() -> SandboxEntry:
+    return SandboxEntry(
         id="n.0000000000000001", node="n", pool="p", template="t",
         state=SandboxState.WARM, since=0, created_at=0, cpus=1, memory_mb=1,
     )  # fmt: skip
+
+
+def test_an_illegal_transition_is_refused_and_changes_nothing():
+    view = ClusterView(confirm_grace_s=1)
+    e = warm_entry()
     view.add(e)
     with pytest.raises(IllegalTransition):
         view.move(e, SandboxState.CREATING, 1)
@@ -76,10 +80,7 @@ def test_a_sandboxs_snap_is_kept_until_a_field_the_policy_sees_changes():
     """The view keeps each sandbox's SandboxSnap from tick to tick. The leases and the
     actuator write an entry's fields directly: every such write shows in the next snap."""
     view = ClusterView(confirm_grace_s=1)
-    e = SandboxEntry(
-        id="n.0000000000000001", node="n", pool="p", template="t",
-        state=SandboxState.WARM, since=0, created_at=0, cpus=1, memory_mb=1,
-    )  # fmt: skip
+    e = warm_entry()
     view.add(e)
     kept = e.snap()
     e.busy_s, e.confirmed_at, e.op_in_flight = 3.0, 4.0, True  # not in a snap
