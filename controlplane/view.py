@@ -472,7 +472,7 @@ class ClusterView:
                     if entry.state not in TERMINAL:
                         self.move(entry, SandboxState.LOST, now)
             node.healthy = alive
-        self._earliest_seen = min(now, *(node.last_seen for node in self.nodes.values()))
+        self._earliest_seen = min([now, *(node.last_seen for node in self.nodes.values())])
         return newly_down
 
     def node_snaps(self, now: float) -> tuple[NodeSnap, ...]:

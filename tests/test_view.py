@@ -76,6 +76,13 @@ def test_an_illegal_transition_is_refused_and_changes_nothing():
     assert e.state == SandboxState.WARM and view.used("n") == Resources(1, 1, 1)
 
 
+def test_a_view_with_no_node_yet_has_none_silent():
+    """A control plane ticks before its first agent registers."""
+    view = ClusterView(confirm_grace_s=1)
+    assert view.mark_silent_nodes(10.0, 5.0) == []
+    assert view.mark_silent_nodes(20.0, 5.0) == []
+
+
 def test_a_sandboxs_snap_is_kept_until_a_field_the_policy_sees_changes():
     """The view keeps each sandbox's SandboxSnap from tick to tick. The leases and the
     actuator write an entry's fields directly: every such write shows in the next snap."""
