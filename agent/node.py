@@ -65,6 +65,7 @@ T = TypeVar("T")
 HIBERNATED_REPOSITORY = "dsec-hibernated"
 RESET_ROUNDS = 3  # kills a reset tries before it gives up on commands that keep running
 RESET_EXEC_WAIT_S = 2.0  # how long a round waits for the killed commands' calls to end
+REMOVE_ALL_ROUNDS = 3  # looks at what is left when the agent stops
 RESET_TIMEOUT_S = 60.0  # a reset that takes longer is stuck: the sandbox goes
 
 
@@ -92,6 +93,7 @@ class Agent:
         # released ids remembered, so late calls get "released", not "unknown"
         # (and why: released, or its lease expired)
         self.released: RecentMap[str, LeaseEnd] = RecentMap(TOMBSTONES)
+        self.stopping = False  # remove_all has begun: no create starts
         # sandboxes whose container died with the engine -> why, for their clients
         self.lost: RecentMap[str, str] = RecentMap(TOMBSTONES)
         self.engine_ok = True  # the engine answered its last check or call
@@ -171,6 +173,8 @@ class Agent:
         existing = self.sandboxes.get(req.sandbox_id)
         if existing is not None:
             return existing, False
+        if self.stopping:
+            raise ApiError(503, "node_stopping", f"node {self.config.node_id} is stopping")
         work = Work.CREATE_FOR_REQUEST if req.for_request else Work.CREATE_WARM
         self.require_engine()
         if not self.has_room_for(req.template):
@@ -197,6 +201,12 @@ class Agent:
                 work,
                 resident_dir,
             )
+            if self.sandboxes.get(req.sandbox_id) is not sandbox:
+                # removed while Docker made it (a shutdown's remove_all): so is its container
+                with contextlib.suppress(DockerOpError):
+                    await self.docker.remove(record.container_id, Work.CLIENT)
+                self.resident.remove(req.sandbox_id)
+                raise ApiError(409, "released", f"sandbox {req.sandbox_id} was removed")
             await self.store.put(record)
         except DockerOpError as e:
             self.sandboxes.pop(req.sandbox_id, None)
@@ -561,10 +571,14 @@ class Agent:
             log.error("audit record for %s not written: %s", record.sandbox, e)
 
     async def remove_all(self) -> None:
-        for sandbox_id in list(self.sandboxes):
-            with contextlib.suppress(ApiError):
-                await self.destroy(sandbox_id)
-        await self.settle()  # the removals destroy leaves for a quiet engine
+        self.stopping = True  # no create starts from here
+        for _ in range(REMOVE_ALL_ROUNDS):  # a create under way at the first is gone by the next
+            if not self.sandboxes:
+                break
+            for sandbox_id in list(self.sandboxes):
+                with contextlib.suppress(ApiError):
+                    await self.destroy(sandbox_id)
+            await self.settle()  # the removals destroy leaves for a quiet engine
 
     async def settle(self) -> None:
         """Wait for every operation under way, and for what those start in turn."""
