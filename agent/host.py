@@ -244,11 +244,8 @@ class HostSandbox:
         execute-only shell (so no tenant could reach into its memory), with what its
         commands inherit as the template's command has it (which no lease can reach:
         it runs as KEEPER_USER)."""
-        fields = _stat_fields(loop.pid)
         return (
-            fields is not None
-            and int(fields[19]) == loop.started
-            and fields[0] != "Z"
+            LoopProcess.of(loop.pid) == loop  # a zombie runs nothing: `runs` says so below
             and _in_cgroup_of(loop.pid, self.container_id)
             and loop.runs(shell)
             and (mine := _inherited(loop.pid)) is not None
