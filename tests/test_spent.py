@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from controlplane.spent import KeyLog
@@ -52,3 +54,16 @@ async def test_a_dropped_key_stays_dropped_after_a_restart_and_the_file_compacts
     assert [k for k in (f"k{i}" for i in range(1500)) if k in again] == ["k700"]
     assert again.sandbox_of("k700") == f"n1.{700:016x}"
     assert len(path.read_text().splitlines()) < 2000  # rewritten, not grown for ever
+
+
+@pytest.mark.asyncio
+async def test_a_key_held_and_let_go_at_once_is_read_back_let_go(tmp_path):
+    """A lease's key is written as held, and dropped by another task when the lease
+    fails: the lines reach the file in the order asked, whatever the load."""
+    path = tmp_path / "held-keys.jsonl"
+    keys = KeyLog(path, limit=1_000_000)
+    await asyncio.gather(
+        *(op for i in range(300) for op in (keys.add(f"k{i}", f"n1.{i:04x}"), keys.drop(f"k{i}")))
+    )
+    again = KeyLog(path, limit=1_000_000)
+    assert [f"k{i}" for i in range(300) if f"k{i}" in again] == []

@@ -10,7 +10,9 @@ import os
 import resource
 import ssl
 import sys
+from collections.abc import Coroutine
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 from pydantic import ValidationError
@@ -28,6 +30,18 @@ from dsec.cli.common import (
 )
 from dsec.models import Capacity
 from dsec.tls import TlsFiles
+
+# Both services hand work to threads (the agent's store, SQLite, on a thread of its
+# own; file copies). Python's default 5 ms switch interval lets a woken thread keep the
+# loop waiting that long for the GIL; at 0.5 ms a warm acquire's p99 fell from 15-20 ms
+# to 7 ms (warm acquires one at a time from an idle 3-node pool on 2 cores).
+SERVICE_SWITCH_INTERVAL_S = 0.0005
+
+
+def run_service(main: Coroutine[Any, Any, None]) -> None:
+    sys.setswitchinterval(SERVICE_SWITCH_INTERVAL_S)
+    asyncio.run(main)
+
 
 # --- dsec controlplane ---------------------------------------------------------
 
@@ -105,7 +119,7 @@ def cmd_controlplane(args: argparse.Namespace) -> int:
             limits=limits,
         )
 
-    asyncio.run(main())
+    run_service(main())
     return 0
 
 
@@ -191,7 +205,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
             limits=ServerLimits(max_connections=config.execs_per_node + SPARE_CONNECTIONS),
         )
 
-    asyncio.run(main())
+    run_service(main())
     return 0
 
 
