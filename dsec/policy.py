@@ -50,6 +50,8 @@ import math
 import random
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
+from operator import attrgetter
 
 from dsec.models import PoolParams
 from dsec.states import SandboxState
@@ -302,12 +304,13 @@ class Placement:
         cpus = memory_mb = slots = used_cpus = used_memory_mb = used_slots = 0
         for n in self.nodes.values():
             if n.kind == "local" and n.healthy and not n.draining:
-                cpus += n.capacity.cpus
-                memory_mb += n.capacity.memory_mb
-                slots += n.capacity.slots
-                used_cpus += n.used.cpus
-                used_memory_mb += n.used.memory_mb
-                used_slots += n.used.slots
+                capacity, used = n.capacity, n.used
+                cpus += capacity.cpus
+                memory_mb += capacity.memory_mb
+                slots += capacity.slots
+                used_cpus += used.cpus
+                used_memory_mb += used.memory_mb
+                used_slots += used.slots
         self.local_capacity = Resources(cpus, memory_mb, slots)
         self.local_used = Resources(used_cpus, used_memory_mb, used_slots)
 
@@ -321,15 +324,20 @@ class Placement:
         return self.local_used.ratio_of(self.local_capacity)
 
     def feasible(self, kind: str, needs: Resources, excluded: frozenset[str]) -> list[NodeSnap]:
+        # inline, with what it reads in locals: this runs per node per create
         found = []
+        extra = self.extra
+        slots, cpus, memory_mb = needs.slots, needs.cpus, needs.memory_mb
         for n in self.nodes.values():
             if n.kind != kind or not n.healthy or n.draining or not n.accepting or n.id in excluded:
                 continue
-            used, cap = self.used(n), n.capacity  # inline: this runs per node per create
+            used, cap = n.used, n.capacity
+            if extra and (more := extra.get(n.id)) is not None:
+                used = used + more
             if (
-                used.slots + needs.slots <= cap.slots
-                and used.cpus + needs.cpus <= cap.cpus + 1e-9
-                and used.memory_mb + needs.memory_mb <= cap.memory_mb
+                used.slots + slots <= cap.slots
+                and used.cpus + cpus <= cap.cpus + 1e-9
+                and used.memory_mb + memory_mb <= cap.memory_mb
             ):
                 found.append(n)
         return found
@@ -364,8 +372,11 @@ class Placement:
                 candidates = cloud
             else:
                 self.unplaced_overflow += 1
-        if spare_engine_only:
-            candidates = [n for n in candidates if self.creates_queued(n) < 1]
+        if spare_engine_only:  # creates_queued(n) < 1, inline: it runs per candidate
+            creates = self.creates
+            candidates = [
+                n for n in candidates if (n.creating + creates.get(n.id, 0)) / n.create_limit < 1
+            ]
         if not candidates:
             return None
         if len(candidates) > SAMPLE_ABOVE:
@@ -421,7 +432,6 @@ class _Decision:
         self.pools = pools
         self.now = now
         self.actions: list[Action] = []
-        self.nodes = {n.id: n for n in snapshot.nodes}
         self._placement: Placement | None = None
         self._lenders: dict[str, list[str]] = {}
         # unassigned sandboxes by (pool, template) and state, oldest first
@@ -433,7 +443,7 @@ class _Decision:
         self.frozen_leases: list[SandboxSnap] = []
         draining = {n.id for n in snapshot.nodes if n.draining}
         self.drained: list[SandboxSnap] = []  # idle on a draining node: rule 9 removes them
-        for sb in sorted(snapshot.sandboxes, key=lambda s: (s.since, s.id)):
+        for sb in sorted(snapshot.sandboxes, key=attrgetter("since", "id")):
             if sb.node in draining and sb.state != S.LEASED and sb.state != S.LEASED_PAUSED:
                 # neither claimed nor waited for: a create under way there is removed once
                 # it is ready, and its request is served elsewhere
@@ -552,6 +562,11 @@ class _Decision:
             self.creating[key] -= 1
             return True
         return False
+
+    @cached_property
+    def nodes(self) -> dict[str, NodeSnap]:
+        """Built on first use: most ticks look up no node."""
+        return {n.id: n for n in self.snap.nodes}
 
     def _on_cloud(self, sb: SandboxSnap) -> bool:
         node = self.nodes.get(sb.node)
