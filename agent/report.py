@@ -107,12 +107,15 @@ class ReportSequence:
         """The next report of `rows`, every sandbox the node holds now."""
         self.seq += 1
         present = set()
+        known_rows = self._rows  # in locals, as what follows runs per sandbox per report
         for row in rows:
-            present.add(row.id)
-            known = self._rows.get(row.id)
-            if known is None or known[0] != row:
-                self._rows[row.id] = (row, self.seq)
-                self._removed.pop(row.id, None)  # a failed create's id, made again
+            sandbox_id = row.id
+            present.add(sandbox_id)
+            known = known_rows.get(sandbox_id)
+            # the same row object is unchanged, and cheaper to tell than an equal one
+            if known is None or (known[0] is not row and known[0] != row):
+                known_rows[sandbox_id] = (row, self.seq)
+                self._removed.pop(sandbox_id, None)  # a failed create's id, made again
         for gone in self._rows.keys() - present:
             del self._rows[gone]
             self._removed[gone] = self.seq
