@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import math
 import sys
@@ -132,6 +133,9 @@ def run_replay(args: argparse.Namespace) -> int:
     except TraceError as error:
         print(f"dsec bench replay: {error}", file=sys.stderr)
         return 2
+    # the trace lasts until the command ends: the cyclic collector need not go through
+    # it again (a full collection of a trace at DSec's scale takes seconds)
+    gc.freeze()
 
     if args.mode == "live":
         from bench.replay_live import ReplayError
@@ -159,6 +163,7 @@ def run_replay(args: argparse.Namespace) -> int:
         )
         result.meta["trace"] = args.trace  # the simulator is given episodes, not their file
 
+    gc.freeze()  # the run's records too, while its report is written
     out = write_report(result, args.out or DEFAULT_OUT_DIR / f"{args.policy}-{args.mode}")
     if args.json:
         print((out / REPORT_FILE).read_text(), end="")
