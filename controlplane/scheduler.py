@@ -164,24 +164,29 @@ class Scheduler:
 
     def _lease_due(self, now: float) -> Callable[[SandboxEntry], bool]:
         """Whether a lease may be due for a freeze or an expiry in its pool."""
-        pools = self.config.pools
+        # each pool's timers read once: this runs on every lease at every look
+        timers = {
+            name: (p.max_lease_s, p.lease_idle_freeze_s, p.lease_idle_timeout_s)
+            for name, p in self.config.pools.items()
+        }
 
         def due(entry: SandboxEntry) -> bool:
-            params = pools.get(entry.pool)
-            if params is None:
+            pool_timers = timers.get(entry.pool)
+            if pool_timers is None:
                 return False
+            max_lease_s, freeze_s, timeout = pool_timers
             if (
-                params.max_lease_s is not None
+                max_lease_s is not None
                 and entry.leased_at is not None
-                and now - entry.leased_at >= params.max_lease_s
+                and now - entry.leased_at >= max_lease_s
             ):
                 return True
-            if entry.idle_since is None:  # a command runs: neither idle nor lapsed
+            idle_since = entry.idle_since
+            if idle_since is None:  # a command runs: neither idle nor lapsed
                 return False
-            if now - entry.idle_since >= params.lease_idle_freeze_s:
+            if now - idle_since >= freeze_s:
                 return True
-            active_at = max(entry.idle_since, entry.renewed_at or entry.idle_since)
-            timeout = params.lease_idle_timeout_s
+            active_at = max(idle_since, entry.renewed_at or idle_since)
             return timeout is not None and now - active_at >= timeout
 
         return due

@@ -523,20 +523,22 @@ class ClusterView:
         lease-idle freezing and expiry; None leaves leases out). One with a call in
         flight, or backing off after a failed one (until its `retry_at`), is left out:
         nothing is decided about it until it can be acted on."""
+        # list comprehensions, not generators: a look at the leases goes through 20,000
+        # at DSec's scale
         snaps = [s.snap() for s in self.by_state[SandboxState.CREATING].values()]
         for state in (SandboxState.WARM, SandboxState.PAUSED, SandboxState.HIBERNATED):
-            snaps.extend(
+            snaps += [
                 s.snap()
                 for s in self.by_state[state].values()
                 if not s.op_in_flight and s.retry_at <= now
-            )
+            ]
         if lease_due is not None:
             for state in (SandboxState.LEASED, SandboxState.LEASED_PAUSED):
-                snaps.extend(
+                snaps += [
                     s.snap()
                     for s in self.by_state[state].values()
                     if not s.op_in_flight and s.retry_at <= now and lease_due(s)
-                )
+                ]
         if self._not_serving:
             # a node that cannot carry out calls cannot hand out, freeze or remove what it
             # holds either: its sandboxes wait for it to come back (creates under way still
