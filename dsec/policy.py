@@ -443,21 +443,27 @@ class _Decision:
         self.frozen_leases: list[SandboxSnap] = []
         draining = {n.id for n in snapshot.nodes if n.draining}
         self.drained: list[SandboxSnap] = []  # idle on a draining node: rule 9 removes them
+        free, creating = self.free, self.creating  # in locals: this runs per sandbox per tick
         for sb in sorted(snapshot.sandboxes, key=attrgetter("since", "id")):
-            if sb.node in draining and sb.state != S.LEASED and sb.state != S.LEASED_PAUSED:
+            state = sb.state
+            if draining and sb.node in draining and state != S.LEASED and state != S.LEASED_PAUSED:
                 # neither claimed nor waited for: a create under way there is removed once
                 # it is ready, and its request is served elsewhere
-                if sb.state in (S.WARM, S.PAUSED, S.HIBERNATED):
+                if state in (S.WARM, S.PAUSED, S.HIBERNATED):
                     self.drained.append(sb)
                 continue
             # a sandbox created for a request is not kept for it: whatever is ready first
             # goes to the oldest waiter (reserved_for only tells whose create it was)
-            if sb.state == S.CREATING:
+            if state == S.CREATING:
                 key = (sb.pool, sb.template)
-                self.creating[key] = self.creating.get(key, 0) + 1
-            elif sb.state in (S.WARM, S.PAUSED, S.HIBERNATED):
-                self.free.setdefault((sb.pool, sb.template, sb.state), []).append(sb)
-            elif sb.state == S.LEASED:
+                creating[key] = creating.get(key, 0) + 1
+            elif state in (S.WARM, S.PAUSED, S.HIBERNATED):
+                key = (sb.pool, sb.template, state)
+                if (same := free.get(key)) is None:
+                    free[key] = [sb]
+                else:
+                    same.append(sb)
+            elif state == S.LEASED:
                 self.leased.append(sb)
             elif sb.state == S.LEASED_PAUSED:
                 self.frozen_leases.append(sb)
