@@ -319,7 +319,7 @@ class SimAgents:
         """The node's next heartbeat, as its live agent would send it (agent/report.py)."""
         node = self.nodes[node_id]
         cap = node.capacity
-        part = node.reports.next(sb.row(now) for sb in node.sandboxes.values())
+        part = node.reports.next([sb.row(now) for sb in node.sandboxes.values()])
         return NodeReport.model_construct(
             node_id=node.id,
             kind=node.kind,
