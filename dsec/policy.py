@@ -299,26 +299,19 @@ class Placement:
         self.creates: dict[str, int] = {}  # creates placed by this decision, per node
         self.seed = seed
         self.unplaced_overflow = 0  # creates that wanted a cloud node and found none
-        # the nodes that take work: a draining node's room is not there to fill. One pass
-        # over the nodes, not six: most ticks at DSec's scale place something
-        cpus = memory_mb = slots = used_cpus = used_memory_mb = used_slots = 0
-        for n in self.nodes.values():
-            if n.kind == "local" and n.healthy and not n.draining:
-                capacity, used = n.capacity, n.used
-                cpus += capacity.cpus
-                memory_mb += capacity.memory_mb
-                slots += capacity.slots
-                used_cpus += used.cpus
-                used_memory_mb += used.memory_mb
-                used_slots += used.slots
-        self.local_capacity = Resources(cpus, memory_mb, slots)
-        self.local_used = Resources(used_cpus, used_memory_mb, used_slots)
+        # the capacity and use of the nodes that take work (a draining node's room is not
+        # there to fill), before this decision's placements: summed on the first look for
+        # local room, in the same pass (most ticks at DSec's scale place something)
+        self.local_capacity: Resources | None = None
+        self.local_used: Resources | None = None
 
     def used(self, node: NodeSnap) -> Resources:
         extra = self.extra.get(node.id)
         return node.used + extra if extra else node.used
 
     def local_utilisation(self) -> float:
+        if self.local_capacity is None:
+            self.feasible("local", Resources(), frozenset())
         if not self.local_capacity.slots:
             return 1.0
         return self.local_used.ratio_of(self.local_capacity)
@@ -328,10 +321,21 @@ class Placement:
         found = []
         extra = self.extra
         slots, cpus, memory_mb = needs.slots, needs.cpus, needs.memory_mb
+        totals = kind == "local" and self.local_capacity is None
+        total_cpus = total_memory_mb = total_slots = used_cpus = used_memory_mb = used_slots = 0
         for n in self.nodes.values():
-            if n.kind != kind or not n.healthy or n.draining or not n.accepting or n.id in excluded:
+            if n.kind != kind or not n.healthy or n.draining:
                 continue
             used, cap = n.used, n.capacity
+            if totals:
+                total_cpus += cap.cpus
+                total_memory_mb += cap.memory_mb
+                total_slots += cap.slots
+                used_cpus += used.cpus
+                used_memory_mb += used.memory_mb
+                used_slots += used.slots
+            if not n.accepting or n.id in excluded:
+                continue
             if extra and (more := extra.get(n.id)) is not None:
                 used = used + more
             if (
@@ -340,6 +344,9 @@ class Placement:
                 and used.memory_mb + memory_mb <= cap.memory_mb
             ):
                 found.append(n)
+        if totals:
+            self.local_capacity = Resources(total_cpus, total_memory_mb, total_slots)
+            self.local_used = Resources(used_cpus, used_memory_mb, used_slots)
         return found
 
     def creates_queued(self, node: NodeSnap) -> float:
