@@ -86,6 +86,15 @@ class AgentClient(Protocol):
         dir, /tmp and /dev/shm, check, and make it warm again. Any failure: not warm."""
 
 
+# A create waits its turn in its agent's engine queue (agent/engine.py), behind the
+# creates a burst gave that node, so it may take far longer than any other call. Given
+# up at the calls' 30 s, it is not undone: the agent makes the sandbox anyway and then
+# removes it, and the node counts as failing. On a loaded machine a tune's live check
+# gave up on 700 creates in 3 minutes, every node out of placement in turn, the engine
+# busy with work that served no one.
+CREATE_TIMEOUT_S = 600.0
+
+
 class HttpAgents:
     """AgentClient over the agents' HTTP API (`agent.app`). Each call carries the call
     token of the node it goes to (controlplane/identities.py), which no other node knows."""
@@ -95,9 +104,11 @@ class HttpAgents:
         identities: Identities,
         timeout_s: float = 30.0,
         verify: ssl.SSLContext | Literal[True] = True,
+        create_timeout_s: float = CREATE_TIMEOUT_S,
     ) -> None:
         self.identities = identities
         self.timeout_s = timeout_s
+        self.create_timeout = aiohttp.ClientTimeout(total=create_timeout_s)
         self.verify = verify  # what https agents are verified with (dsec.tls.client_ssl)
         self.http: aiohttp.ClientSession | None = None
 
@@ -112,7 +123,8 @@ class HttpAgents:
             await self.http.close()
 
     async def create(self, node: AgentAddress, spec: CreateSandbox) -> CallResult:
-        return await self._call(node, "POST", f"{node.url}/v1/sandboxes", spec, spec.request_id)
+        url = f"{node.url}/v1/sandboxes"
+        return await self._call(node, "POST", url, spec, spec.request_id, self.create_timeout)
 
     async def lease(self, node: AgentAddress, sandbox_id: str, grant: LeaseGrant) -> CallResult:
         url = f"{node.url}/v1/sandboxes/{sandbox_id}/lease"
@@ -142,7 +154,13 @@ class HttpAgents:
         return await self._call(node, "POST", url, None, sandbox_id)
 
     async def _call(
-        self, node: AgentAddress, method: str, url: str, body: BaseModel | None, request_id: str
+        self,
+        node: AgentAddress,
+        method: str,
+        url: str,
+        body: BaseModel | None,
+        request_id: str,
+        timeout: aiohttp.ClientTimeout | None = None,  # the session's (timeout_s) if None
     ) -> CallResult:
         assert self.http is not None, "HttpAgents.start() was not awaited"
         headers = {
@@ -154,7 +172,9 @@ class HttpAgents:
             data = body.model_dump_json()
             headers["Content-Type"] = "application/json"
         try:
-            async with self.http.request(method, url, data=data, headers=headers) as resp:
+            async with self.http.request(
+                method, url, data=data, headers=headers, timeout=timeout or self.http.timeout
+            ) as resp:
                 text = await resp.text()
                 try:
                     payload = json.loads(text) if text else None
