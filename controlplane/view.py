@@ -179,7 +179,9 @@ class ClusterView:
         self.assigned: dict[tuple[str, str], int] = {}
         # NodeSnaps are rebuilt only for nodes that changed since the last snapshot
         self._node_snaps: dict[str, NodeSnap] = {}
-        self._dirty_nodes: set[str] = set()
+        # ordered (a dict, not a set of strings, whose order changes with each process's hash
+        # seed): the first snapshot lists nodes in it, and placement samples from that list
+        self._dirty_nodes: dict[str, None] = {}
         # node -> when its snapshot changes by itself (a refusal or a failure backoff ends)
         self._changes_at: dict[str, float] = {}
         # nodes not serving at the last snapshot: their sandboxes are left alone
@@ -189,7 +191,7 @@ class ClusterView:
         self._earliest_seen = -math.inf
 
     def _count(self, entry: SandboxEntry, sign: int) -> None:
-        self._dirty_nodes.add(entry.node)
+        self._dirty_nodes.setdefault(entry.node)
         if entry.state == SandboxState.CREATING:
             self._creating[entry.node] = self._creating.get(entry.node, 0) + sign
         if entry.state in OCCUPYING:
@@ -276,16 +278,16 @@ class ClusterView:
         if node is not None and node.failures:
             node.failures = 0
             node.failing_until = 0.0
-            self._dirty_nodes.add(node_id)
+            self._dirty_nodes.setdefault(node_id)
 
     def _change_at(self, node_id: str, at: float) -> None:
         self._changes_at[node_id] = max(at, self._changes_at.get(node_id, 0.0))
-        self._dirty_nodes.add(node_id)
+        self._dirty_nodes.setdefault(node_id)
 
     def set_draining(self, node_id: str, draining: bool) -> None:
         if node := self.nodes.get(node_id):
             node.draining = draining
-            self._dirty_nodes.add(node_id)
+            self._dirty_nodes.setdefault(node_id)
 
     def request_drain(self, node_id: str, requested: bool) -> NodeEntry | None:
         """An operator's drain of a node starts (or, `requested` false, is called off);
@@ -293,7 +295,7 @@ class ClusterView:
         node = self.nodes.get(node_id)
         if node is not None:
             node.drain_requested = requested
-            self._dirty_nodes.add(node_id)
+            self._dirty_nodes.setdefault(node_id)
         return node
 
     def drain_state(self, node: NodeEntry) -> DrainState:
@@ -356,7 +358,7 @@ class ClusterView:
             create_limit=report.create_limit,
             clock_offset=now - report.clock,
         )
-        self._dirty_nodes.add(node.id)
+        self._dirty_nodes.setdefault(node.id)
         if previous is not None:
             node.refused_until = previous.refused_until
             node.failures = previous.failures
@@ -465,7 +467,7 @@ class ClusterView:
                 self.drop_node(node.id)
                 continue
             if node.healthy != alive:
-                self._dirty_nodes.add(node.id)
+                self._dirty_nodes.setdefault(node.id)
             if node.healthy and not alive:
                 newly_down.append(node)
                 for entry in self.on_node(node.id):
@@ -479,7 +481,7 @@ class ClusterView:
         for node_id, at in list(self._changes_at.items()):
             if now >= at:  # a refusal or a failure backoff has run out
                 del self._changes_at[node_id]
-                self._dirty_nodes.add(node_id)
+                self._dirty_nodes.setdefault(node_id)
         for node_id in self._dirty_nodes:
             n = self.nodes.get(node_id)
             if n is None:
@@ -513,7 +515,7 @@ class ClusterView:
     def drop_node(self, node_id: str) -> None:
         self.nodes.pop(node_id, None)
         self._not_serving.discard(node_id)
-        self._dirty_nodes.add(node_id)
+        self._dirty_nodes.setdefault(node_id)
 
     def sandbox_snaps(
         self, now: float, lease_due: Callable[[SandboxEntry], bool] | None

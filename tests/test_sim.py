@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 import statistics
+import subprocess
+import sys
 import time
 
 import pytest
@@ -68,6 +71,29 @@ def test_the_same_seed_repeats_a_run_on_more_nodes_than_the_policy_looks_at():
     placed = [[(r.episode, r.schedule_ms, r.path, r.node) for r in run.records] for run in runs]
     assert placed[0] == placed[1]
     assert len({node for *_, node in placed[0]}) > SAMPLE_SIZE  # sampling was at work
+
+
+PLACEMENTS_SCRIPT = """
+import json
+from bench.generate import generate
+from bench.sim import simulate
+from dsec.policy import SAMPLE_ABOVE
+trace = generate(kind="burst", burst_size=80, burst_window_s=1.0, seed=5,
+                 lifetime_p50_s=20, lifetime_p99_s=60, mean_step_s=5)
+run = simulate(trace, seed=7, nodes=SAMPLE_ABOVE + 8, slots_per_node=4)
+print(json.dumps([(r.episode, r.schedule_ms, r.path, r.node) for r in run.records]))
+"""
+
+
+def test_the_same_seed_repeats_a_run_in_another_process():
+    """Every process hashes strings with a seed of its own: no order the policy sees may
+    come from a set of names."""
+    runs = [
+        subprocess.run([sys.executable, "-c", PLACEMENTS_SCRIPT], capture_output=True,
+                       text=True, check=True, env={**os.environ, "PYTHONHASHSEED": hash_seed})
+        for hash_seed in ("1", "2")
+    ]  # fmt: skip
+    assert json.loads(runs[0].stdout) == json.loads(runs[1].stdout)
 
 
 def test_a_simulated_run_reports_every_field():
