@@ -310,8 +310,8 @@ class Placement:
         return node.used + extra if extra else node.used
 
     def local_utilisation(self) -> float:
-        if self.local_capacity is None:
-            self.feasible("local", Resources(), frozenset())
+        """After a look for local room (`feasible("local", ...)`), which sums the nodes."""
+        assert self.local_capacity is not None and self.local_used is not None
         if not self.local_capacity.slots:
             return 1.0
         return self.local_used.ratio_of(self.local_capacity)
@@ -379,11 +379,8 @@ class Placement:
                 candidates = cloud
             else:
                 self.unplaced_overflow += 1
-        if spare_engine_only:  # creates_queued(n) < 1, inline: it runs per candidate
-            creates = self.creates
-            candidates = [
-                n for n in candidates if (n.creating + creates.get(n.id, 0)) / n.create_limit < 1
-            ]
+        if spare_engine_only:
+            candidates = [n for n in candidates if self.creates_queued(n) < 1]
         if not candidates:
             return None
         if len(candidates) > SAMPLE_ABOVE:
