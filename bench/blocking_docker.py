@@ -46,6 +46,11 @@ class BlockingDocker:
     def remove(self, container_id: str) -> None:
         self._run(self.docker.remove(container_id, Work.CLIENT))
 
+    def exec(self, container_id: str, cmd: list[str], user: str) -> int | None:
+        """Run `cmd` in the container to its end, as the agent's exec does; its exit code."""
+        code, _, _ = self._run(self.docker.run("exec", container_id, cmd, user=user))
+        return code
+
     def list_labelled(self, node_id: str) -> list[ContainerSummary]:
         return self._run(self.docker.list_labelled(node_id))
 

@@ -19,7 +19,10 @@ slowdown of cold acquires beside EXEC_LOOPS loops of execs over that of creates 
 as many creates. A command in flight loads the machine too, through the agent and the
 client that carry it: warm acquires are also timed beside COMMAND_SANDBOXES sandboxes
 running `sleep` again and again, and the operations' worth of load that slows them as
-much, shared out among the commands, is a command's weight.
+much, shared out among the commands, is a command's weight. The most creates, removes
+and execs of `true` (the agent's driver, on the engine directly) the engine completes
+a second, at any of CONCURRENCY at once, are its throughput, which the simulator's
+engine shares out among all three.
 """
 
 from __future__ import annotations
@@ -134,11 +137,12 @@ def _concurrently(n: int, fn: Callable[[int], None]) -> None:
         raise errors[0]
 
 
-def docker_samples(engine: Engine, n: int) -> tuple[Samples, LoadedSamples, float]:
+def docker_samples(engine: Engine, n: int) -> tuple[Samples, LoadedSamples, dict[str, float]]:
     """Each operation one at a time; creates and removes also CONCURRENCY at a time (the
-    samples of c at a time are those of load c - 1: the others under way). Also the most
-    creates a second the engine completed at any of those concurrencies: past a few at
-    once it completes no more, however many it is given."""
+    samples of c at a time are those of load c - 1: the others under way), and execs of
+    `true` too, though only counted. Also the most creates, removes and execs a second
+    the engine completed at any of those concurrencies: past a few at once it completes
+    no more, however many it is given."""
     driver = engine.driver
     samples: Samples = {op: [] for op in ("create", "remove", "pause", "unpause", "commit")}
     loaded: LoadedSamples = {"create": {}, "remove": {}}
@@ -155,8 +159,21 @@ def docker_samples(engine: Engine, n: int) -> tuple[Samples, LoadedSamples, floa
         ref = driver.commit(cid, "dsec-calibrate", f"{engine.node}-{i}")
         samples["commit"].append(time.perf_counter() - started)
         driver.remove_image(ref)
+    rates = {"exec": 0.0}
+    for c in CONCURRENCY:
+        per_thread = -(-n // c)
+
+        def execs(i: int, per_thread=per_thread) -> None:
+            for j in range(per_thread):
+                if driver.exec(ids[(i + j * c) % len(ids)], ["true"], engine.spec.user) != 0:
+                    raise DockerOpError("exec", "failed", "`true` did not exit 0")
+
+        started = time.perf_counter()
+        _concurrently(c, execs)
+        rates["exec"] = max(rates["exec"], c * per_thread / (time.perf_counter() - started))
     samples["remove"] = [_timed(driver.remove, cid) for cid in ids]
-    create_rate = n / sum(samples["create"])  # one at a time
+    rates["create"] = n / sum(samples["create"])  # one at a time
+    rates["remove"] = n / sum(samples["remove"])
     for c in CONCURRENCY:
         per_thread = -(-n // c)
         made: list[list[str]] = [[] for _ in range(c)]
@@ -171,13 +188,13 @@ def docker_samples(engine: Engine, n: int) -> tuple[Samples, LoadedSamples, floa
         def remove(i: int, made=made, took=took) -> None:
             took["remove"] += [_timed(driver.remove, cid) for cid in made[i]]
 
-        started = time.perf_counter()
-        _concurrently(c, create)
-        create_rate = max(create_rate, c * per_thread / (time.perf_counter() - started))
-        _concurrently(c, remove)
+        for op, work in (("create", create), ("remove", remove)):
+            started = time.perf_counter()
+            _concurrently(c, work)
+            rates[op] = max(rates[op], c * per_thread / (time.perf_counter() - started))
         for op in took:
             loaded[op][c - 1] = took[op]
-    return samples, loaded, create_rate
+    return samples, loaded, rates
 
 
 class EngineLoad:
@@ -379,7 +396,7 @@ def calibrate(n: int, nodes: int = DEFAULT_NODES) -> Profile:
     Raises one of CALIBRATE_ERRORS if Docker or the pool fails; leaves no container."""
     engine = Engine()
     try:
-        samples, under_load, create_rate = docker_samples(engine, n)
+        samples, under_load, rates = docker_samples(engine, n)
         pooled, pooled_loaded, cold, beside_commands = asyncio.run(pool_samples(engine, n, nodes))
     finally:
         engine.sweep()
@@ -390,7 +407,8 @@ def calibrate(n: int, nodes: int = DEFAULT_NODES) -> Profile:
     samples["restore"] = [c + e for c, e in zip(samples["create"], samples["exec"], strict=False)]
     assert set(samples) == set(OPS)
     profile = Profile(samples, engine_concurrency=LIFECYCLE_SLOTS,
-                      under_load=under_load, create_rate_per_s=round(create_rate, 2))  # fmt: skip
+                      under_load=under_load,
+                      engine_rates_per_s={op: round(r, 2) for op, r in rates.items()})  # fmt: skip
     profile.exec_weight = round(exec_weight(lambda k: profile.slowdown("create", k), cold), 3)
     profile.command_weight = round(
         command_weight(lambda k: profile.slowdown("lease", k), samples["lease"], beside_commands),
@@ -419,8 +437,9 @@ def describe(profile: Profile) -> str:
         profile.source,
         f"exec weight {profile.exec_weight} (creates' worth of load)",
         f"command weight {profile.command_weight} (operations' worth of load in flight)",
-        f"engine create rate {profile.create_rate_per_s} a second at most",
     ]
+    lines += [f"engine {op} rate {rate} a second at most, alone"
+              for op, rate in profile.engine_rates_per_s.items()]  # fmt: skip
     lines += [f"{op:8} {med_max(profile.samples[op])}" for op in OPS]
     for op, by_k in profile.under_load.items():
         lines += [f"{op:8} {med_max(s)}   with {k} others" for k, s in sorted(by_k.items())]

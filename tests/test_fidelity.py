@@ -69,6 +69,9 @@ def test_calibration_measures_every_operation_alone_and_under_load(docker_client
     assert len(profile.samples["lease"]) == leases
     assert all(len(s) == leases for s in profile.under_load["lease"].values())
     assert profile.exec_weight >= 0
+    # the engine's throughput of each: more than one a second, and the same engine's
+    assert set(profile.engine_rates_per_s) == {"create", "remove", "exec"}
+    assert all(rate > 1 for rate in profile.engine_rates_per_s.values())
     # a warm acquire is the lease call: milliseconds, not a create's tenths of a second
     assert max(profile.samples["lease"]) < min(profile.samples["create"])
     assert profile.contended and profile.engine_concurrency >= max(CONCURRENCY)

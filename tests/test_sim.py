@@ -183,11 +183,11 @@ def test_a_profile_draws_from_the_highest_measured_load_and_slows_down_as_measur
 
 def test_a_profile_saves_and_loads_its_samples_under_load(tmp_path):
     profile = Profile({op: [0.1, 0.2] for op in OPS}, 8, "here", {"lease": {1: [0.3], 4: [0.5]}})
-    profile.create_rate_per_s = 10.3
+    profile.engine_rates_per_s = {"create": 10.3, "exec": 24.0}
     profile.save(tmp_path / "p.json")
     loaded = Profile.load(tmp_path / "p.json")
     assert loaded.under_load == {"lease": {1: [0.3], 4: [0.5]}}
-    assert loaded.create_rate_per_s == 10.3
+    assert loaded.engine_rates_per_s == {"create": 10.3, "exec": 24.0}
     assert (loaded.samples, loaded.engine_concurrency, loaded.source) == (
         profile.samples, 8, "here")  # fmt: skip
     data = json.loads((tmp_path / "p.json").read_text())
@@ -199,6 +199,16 @@ def test_a_profile_saves_and_loads_its_samples_under_load(tmp_path):
     (tmp_path / "bad.json").write_text(json.dumps(data))
     with pytest.raises(ValueError, match="unknown operation"):
         Profile.load(tmp_path / "bad.json")
+    del data["under_load"]
+    data["engine_rates_per_s"] = {"exec": 0}
+    (tmp_path / "bad.json").write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="rates > 0"):
+        Profile.load(tmp_path / "bad.json")
+    # a profile saved before removes and execs had rates names the create rate alone
+    del data["engine_rates_per_s"]
+    data["create_rate_per_s"] = 12.5
+    (tmp_path / "old.json").write_text(json.dumps(data))
+    assert Profile.load(tmp_path / "old.json").engine_rates_per_s == {"create": 12.5}
 
 
 def test_an_engine_counts_its_operations_and_the_execs_under_way():
@@ -241,7 +251,7 @@ def test_an_engine_completes_no_more_creates_a_second_than_its_measured_rate():
     """Creates take 1 s alone and no longer beside others (cores to spare), but the
     engine completes 4 a second at most: 20 started together end over 5 s, not in 1."""
     profile = Profile({op: [1.0] for op in OPS}, under_load={"create": {1: [1.0]}})
-    profile.create_rate_per_s = 4.0
+    profile.engine_rates_per_s = {"create": 4.0}
     loop = VirtualTimeLoop()
     engine = Engine(profile)
     rng = random.Random(0)
@@ -260,6 +270,37 @@ def test_an_engine_completes_no_more_creates_a_second_than_its_measured_rate():
         loop.close()
     assert max(ended) == pytest.approx(5.0)  # 20 at 4 a second
     assert engine.running == 0 and not engine.jobs
+
+
+@pytest.mark.parametrize("exec_rate, create_ends_at", [(None, 1.0), (10.0, 2.925)])
+def test_exec_starts_take_their_share_of_the_engine_though_nobody_waits_for_them(
+    exec_rate, create_ends_at
+):
+    """20 exec starts handed over at 0 (their commands' windows, 10 ms each, given in
+    advance) and a create (1 s alone, a quarter of the engine's throughput at 4 a
+    second). At 10 execs a second, each exec start is 0.1 s of the whole engine: with
+    all 20 and the create under way the engine is asked for 20.25 engine-seconds a
+    second, so everything goes 20.25 times slower. The execs end at 2.025 s, a tenth of
+    the create done; the rest alone: 2.925 s. Without an exec rate, execs only load it."""
+    profile = Profile({op: [1.0] for op in OPS}, under_load={"create": {1: [1.0]}})
+    profile.engine_rates_per_s = {"create": 4.0} | ({"exec": exec_rate} if exec_rate else {})
+    loop = VirtualTimeLoop()
+    engine = Engine(profile)
+    ended: list[float] = []
+
+    async def main() -> None:
+        for _ in range(20):
+            engine.exec_window(0.0, 0.01)
+        await engine.run("create", random.Random(0))
+        ended.append(loop.time())
+        await asyncio.sleep(5)
+
+    try:
+        loop.run_until_complete(main())
+    finally:
+        loop.close()
+    assert ended == [pytest.approx(create_ends_at)]
+    assert not engine.jobs and engine.in_windows == [0, 0]
 
 
 def test_a_lease_is_as_slow_as_measured_under_the_load_the_engine_carries():

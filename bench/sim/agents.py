@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import heapq
 import logging
+import math
 import random
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
@@ -109,7 +110,7 @@ class Job:
 
     __slots__ = ("op", "counts", "left", "work", "speed", "done")
 
-    def __init__(self, op: str, counts: bool, left: float, done: asyncio.Future) -> None:
+    def __init__(self, op: str, counts: bool, left: float, done: asyncio.Future | None) -> None:
         self.op, self.counts, self.left, self.done = op, counts, left, done
         self.work = left  # all of it, alone: 1 / work is its rate of completion at speed 1
         self.speed = 1.0
@@ -124,7 +125,18 @@ class Engine:
     of it) at the profile's `exec_weight`, and a command in flight, whatever it runs,
     at its `command_weight` (the agent's and the client's share of the machine).
     Whenever the load changes, every job's work left is brought up to date and its
-    speed set anew: processor sharing, with the measured slowdowns."""
+    speed set anew: processor sharing, with the measured slowdowns.
+
+    The engine is also one throughput (the profile's `engine_rates_per_s`): an
+    operation of a measured rate uses 1 / rate of an engine-second. An exec start is a
+    job too when execs have a rate: 1 / rate of the whole engine's work, which nobody
+    waits for (its command's window was given in advance and does not stretch) but
+    which the engine must still do. When what runs asks for more than one engine-second
+    a second, every job goes slower in the same proportion, as the machine's cores
+    share out, so the engine's work is conserved. Without it, a machine asked for more
+    creates, removes and execs a second than it completes would seem to keep up (a
+    trace's busiest two minutes, 8 episodes a second of 3.4 execs each, took 6 minutes
+    live, and nearly as long with no pool, on the engine alone)."""
 
     def __init__(self, profile: Profile) -> None:
         self.profile = profile
@@ -137,6 +149,9 @@ class Engine:
         self._edges: list[tuple[float, int, int]] = []
         self._weights = (profile.exec_weight, profile.command_weight)
         self.in_windows = [0, 0]
+        self._rates = profile.engine_rates_per_s
+        # the engine's work of one exec start, in seconds of the whole engine (0: none)
+        self._exec_work = 1.0 / self._rates["exec"] if "exec" in self._rates else 0.0
         self._last = 0.0  # when the jobs' work left was last brought up to date
         self._wakeup: asyncio.TimerHandle | None = None
 
@@ -152,7 +167,7 @@ class Engine:
     def _window(self, start_s: float, end_s: float, kind: int) -> None:
         heapq.heappush(self._edges, (start_s, 1, kind))
         heapq.heappush(self._edges, (end_s, -1, kind))
-        if self.jobs:
+        if self.jobs or self._exec_work:
             self._schedule(asyncio.get_running_loop())
 
     def load(self, now: float) -> float:
@@ -194,6 +209,8 @@ class Engine:
             at, change, kind = heapq.heappop(edges)
             self._advance(at)
             self.in_windows[kind] += change
+            if kind == 0 and change > 0 and self._exec_work:
+                self.jobs[Job("exec", False, self._exec_work, None)] = None
             if self.jobs:
                 self._set_speeds()
         self._advance(now)
@@ -209,17 +226,17 @@ class Engine:
         load = self._load()
         for job in self.jobs:
             job.speed = 1.0 / self.profile.slowdown(job.op, load - job.counts)
-        cap = self.profile.create_rate_per_s
-        creates = [job for job in self.jobs if job.op == "create"]
-        if cap and creates:
-            # the engine completes no more creates a second than measured, however many
-            # run: past that, each goes slower in proportion. What else it runs (exec
-            # starts, removals) takes its share of that throughput, as of its time
-            cap *= len(creates) / max(load, len(creates))
-            rate = sum(job.speed / job.work for job in creates if job.work > 0)
-            if rate > cap:
-                for job in creates:
-                    job.speed *= cap / rate
+        rates = self._rates
+        if rates:
+            # engine-seconds a second asked for: past one, everything goes slower alike
+            demand = sum(
+                job.speed / job.work / rates[job.op]
+                for job in self.jobs
+                if job.op in rates and job.work > 0
+            )
+            if demand > 1.0:
+                for job in self.jobs:
+                    job.speed /= demand
 
     def _schedule(self, loop: asyncio.AbstractEventLoop) -> None:
         """Wake at the next job's end or the next change of exec load, whichever first."""
@@ -229,9 +246,9 @@ class Engine:
         if self._wakeup is not None:
             self._wakeup.cancel()
             self._wakeup = None
-        if not self.jobs:
+        if not self.jobs and not (self._exec_work and self._edges):
             return
-        at = min(now + max(0.0, job.left) / job.speed for job in self.jobs)
+        at = min((now + max(0.0, job.left) / job.speed for job in self.jobs), default=math.inf)
         if self._edges:
             at = min(at, self._edges[0][0])
         self._wakeup = loop.call_at(max(now, at), self._wake, loop)
@@ -241,7 +258,8 @@ class Engine:
         self._catch_up(loop.time())
         for job in [j for j in self.jobs if j.left <= 1e-9]:
             self._leave(job)
-            job.done.set_result(None)
+            if job.done is not None:
+                job.done.set_result(None)
         self._schedule(loop)
 
 

@@ -52,9 +52,11 @@ class Profile:
     # how many operations' worth of load one exec start is (an exec spawns a process in
     # the container through dockerd, containerd and runc, and streams through its agent)
     exec_weight: float = 1.0
-    # the most creates a second one engine completes, however many it runs at once
-    # (measured flat from 3 to 32 at once here); None: only the slowdowns bound it
-    create_rate_per_s: float | None = None
+    # op -> the most of it a second one engine completes doing nothing else, however
+    # many it runs at once (creates measured flat from 3 to 32 at once here): an engine
+    # is one throughput that creates, removes and exec starts share (bench/sim/agents.py:
+    # Engine). An operation not named here is bounded only by its slowdowns.
+    engine_rates_per_s: dict[str, float] = field(default_factory=dict)
     # how many operations' worth of load a command in flight in a sandbox is, whatever
     # it runs (the agent and the client that carry it share the machine's cores)
     command_weight: float = 0.0
@@ -119,7 +121,7 @@ class Profile:
             "source": self.source,
             "engine_concurrency": self.engine_concurrency,
             "exec_weight": self.exec_weight,
-            "create_rate_per_s": self.create_rate_per_s,
+            "engine_rates_per_s": self.engine_rates_per_s,
             "command_weight": self.command_weight,
             "samples": self.samples,
             "under_load": {
@@ -144,12 +146,20 @@ class Profile:
                                      f"with samples, got {k!r}")  # fmt: skip
                 levels[int(k)] = samples
             under_load[op] = levels
+        # profiles saved before removes and execs were measured name the create rate alone
+        rates = data.get("engine_rates_per_s") or (
+            {"create": data["create_rate_per_s"]} if data.get("create_rate_per_s") else {}
+        )
+        for op, rate in rates.items():
+            if op not in OPS or not isinstance(rate, int | float) or rate <= 0:
+                raise ValueError(f"profile {path}: engine_rates_per_s needs known operations "
+                                 f"with rates > 0, got {op!r}: {rate!r}")  # fmt: skip
         return cls(
             data["samples"],
             data.get("engine_concurrency", 2),
             data.get("source", str(path)),
             under_load,
             float(data.get("exec_weight", 1.0)),
-            data.get("create_rate_per_s"),
+            {op: float(rate) for op, rate in rates.items()},
             float(data.get("command_weight", 0.0)),
         )
