@@ -300,7 +300,7 @@ def test_exec_starts_take_their_share_of_the_engine_though_nobody_waits_for_them
     finally:
         loop.close()
     assert ended == [pytest.approx(create_ends_at)]
-    assert not engine.jobs and engine.in_windows == [0, 0]
+    assert not engine.jobs and not engine.execs and engine.in_windows == [0, 0]
 
 
 def test_a_lease_is_as_slow_as_measured_under_the_load_the_engine_carries():

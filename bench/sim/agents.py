@@ -24,6 +24,7 @@ import heapq
 import logging
 import math
 import random
+from collections import deque
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
@@ -110,7 +111,7 @@ class Job:
 
     __slots__ = ("op", "counts", "left", "work", "speed", "done")
 
-    def __init__(self, op: str, counts: bool, left: float, done: asyncio.Future | None) -> None:
+    def __init__(self, op: str, counts: bool, left: float, done: asyncio.Future) -> None:
         self.op, self.counts, self.left, self.done = op, counts, left, done
         self.work = left  # all of it, alone: 1 / work is its rate of completion at speed 1
         self.speed = 1.0
@@ -128,8 +129,8 @@ class Engine:
     speed set anew: processor sharing, with the measured slowdowns.
 
     The engine is also one throughput (the profile's `engine_rates_per_s`): an
-    operation of a measured rate uses 1 / rate of an engine-second. An exec start is a
-    job too when execs have a rate: 1 / rate of the whole engine's work, which nobody
+    operation of a measured rate uses 1 / rate of an engine-second. An exec start is
+    work too when execs have a rate: 1 / rate of the whole engine's, which nobody
     waits for (its command's window was given in advance and does not stretch) but
     which the engine must still do. When what runs asks for more than one engine-second
     a second, every job goes slower in the same proportion, as the machine's cores
@@ -152,6 +153,13 @@ class Engine:
         self._rates = profile.engine_rates_per_s
         # the engine's work of one exec start, in seconds of the whole engine (0: none)
         self._exec_work = 1.0 / self._rates["exec"] if "exec" in self._rates else 0.0
+        # exec starts under way: all of one size and one speed, so they end in the order
+        # they started, and an overloaded engine's hundreds cost one sum, not one each.
+        # Each is kept as the mark of `exec_done` (what each has done since the engine
+        # began) at which it ends
+        self.execs: deque[float] = deque()
+        self.exec_done = 0.0
+        self._exec_speed = 1.0
         self._last = 0.0  # when the jobs' work left was last brought up to date
         self._wakeup: asyncio.TimerHandle | None = None
 
@@ -210,8 +218,8 @@ class Engine:
             self._advance(at)
             self.in_windows[kind] += change
             if kind == 0 and change > 0 and self._exec_work:
-                self.jobs[Job("exec", False, self._exec_work, None)] = None
-            if self.jobs:
+                self.execs.append(self.exec_done + self._exec_work)
+            if self.jobs or self.execs:
                 self._set_speeds()
         self._advance(now)
 
@@ -220,6 +228,7 @@ class Engine:
         if elapsed > 0:
             for job in self.jobs:
                 job.left -= elapsed * job.speed
+            self.exec_done += elapsed * self._exec_speed
         self._last = max(self._last, until)
 
     def _set_speeds(self) -> None:
@@ -228,8 +237,10 @@ class Engine:
             job.speed = 1.0 / self.profile.slowdown(job.op, load - job.counts)
         rates = self._rates
         if rates:
+            # an exec start is 1 / rate of work: at speed s, it asks for s engine-seconds
+            exec_speed = 1.0 / self.profile.slowdown("exec", load)
             # engine-seconds a second asked for: past one, everything goes slower alike
-            demand = sum(
+            demand = len(self.execs) * exec_speed + sum(
                 job.speed / job.work / rates[job.op]
                 for job in self.jobs
                 if job.op in rates and job.work > 0
@@ -237,6 +248,8 @@ class Engine:
             if demand > 1.0:
                 for job in self.jobs:
                     job.speed /= demand
+                exec_speed /= demand
+            self._exec_speed = exec_speed
 
     def _schedule(self, loop: asyncio.AbstractEventLoop) -> None:
         """Wake at the next job's end or the next change of exec load, whichever first."""
@@ -246,9 +259,11 @@ class Engine:
         if self._wakeup is not None:
             self._wakeup.cancel()
             self._wakeup = None
-        if not self.jobs and not (self._exec_work and self._edges):
+        if not self.jobs and not self.execs and not (self._exec_work and self._edges):
             return
         at = min((now + max(0.0, job.left) / job.speed for job in self.jobs), default=math.inf)
+        if self.execs:
+            at = min(at, now + max(0.0, self.execs[0] - self.exec_done) / self._exec_speed)
         if self._edges:
             at = min(at, self._edges[0][0])
         self._wakeup = loop.call_at(max(now, at), self._wake, loop)
@@ -258,8 +273,9 @@ class Engine:
         self._catch_up(loop.time())
         for job in [j for j in self.jobs if j.left <= 1e-9]:
             self._leave(job)
-            if job.done is not None:
-                job.done.set_result(None)
+            job.done.set_result(None)
+        while self.execs and self.execs[0] <= self.exec_done + 1e-9:
+            self.execs.popleft()
         self._schedule(loop)
 
 
