@@ -163,7 +163,7 @@ def docker_samples(engine: Engine, n: int) -> tuple[Samples, LoadedSamples, dict
     for c in CONCURRENCY:
         per_thread = -(-n // c)
 
-        def execs(i: int, per_thread=per_thread) -> None:
+        def execs(i: int, per_thread=per_thread, c=c) -> None:
             for j in range(per_thread):
                 if driver.exec(ids[(i + j * c) % len(ids)], ["true"], engine.spec.user) != 0:
                     raise DockerOpError("exec", "failed", "`true` did not exit 0")

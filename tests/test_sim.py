@@ -10,13 +10,14 @@ import statistics
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import pytest
 
 from bench.generate import generate
 from bench.report import build_report
 from bench.sim import simulate
-from bench.sim.agents import Engine, SimSandbox
+from bench.sim.agents import Engine, SimAgents, SimSandbox
 from bench.sim.loop import VirtualClock, VirtualTimeLoop
 from bench.sim.profile import OPS, Profile
 from dsec.baselines import POLICIES
@@ -300,7 +301,7 @@ def test_exec_starts_take_their_share_of_the_engine_though_nobody_waits_for_them
     finally:
         loop.close()
     assert ended == [pytest.approx(create_ends_at)]
-    assert not engine.jobs and not engine.execs and engine.in_windows == [0, 0]
+    assert not engine.jobs and not engine.execs and engine.in_windows == [0, 0, 0]
 
 
 def test_a_lease_is_as_slow_as_measured_under_the_load_the_engine_carries():
@@ -347,3 +348,39 @@ def test_a_sandboxs_row_says_when_its_command_ended_without_a_change_of_its_own(
     assert sb.row(5.0).active_at == 5.0 and sb.row(5.0).busy_s == 2.0
     sb.state = S.LEASED
     assert sb.row(6.0).state == S.LEASED
+
+
+def test_a_new_sandboxs_commands_are_engine_execs_until_its_command_loop_starts():
+    """As live: a create is followed by the detached engine exec that starts the
+    sandbox's command loop; a command before that is an engine exec (the engine's work,
+    with an exec rate), one after it is handed to the loop (load only)."""
+    profile = Profile({op: [0.01] for op in OPS}, under_load={"create": {1: [0.01]}})
+    profile.engine_rates_per_s = {"exec": 10.0}
+    loop = VirtualTimeLoop()
+    agents = SimAgents(profile, random.Random(0), shared_engine=False)
+    node = agents.add_node("n", "local", Resources(4, 4096, 4), {"img"})
+    address = SimpleNamespace(id="n", url="sim://n")
+    spec = CreateSandbox(sandbox_id="n.0000000000000001", pool="p",
+                         template=TemplateSpec(name="t", image="img"), request_id="r")  # fmt: skip
+    seen: list[tuple[bool, int]] = []
+
+    async def main() -> None:
+        assert (await agents.create(address, spec)).ok
+        sb = node.sandboxes[spec.sandbox_id]
+        now = loop.time()
+        agents.run_command("n", spec.sandbox_id, now, 0.01, 1.0)  # before the loop runs
+        await asyncio.sleep(0)
+        seen.append((sb.loop_started, node.engine.in_windows[2]))
+        await asyncio.sleep(2.0)  # the loop's start: an exec's work, behind that command's
+        now = loop.time()
+        agents.run_command("n", spec.sandbox_id, now, 0.01, 1.0)
+        await asyncio.sleep(0)
+        seen.append((sb.loop_started, node.engine.in_windows[2] + 10 * node.engine.in_windows[0]))
+        await asyncio.sleep(2.0)
+
+    try:
+        loop.run_until_complete(main())
+    finally:
+        loop.close()
+    assert seen == [(False, 1), (True, 10)]
+    assert not node.engine.execs and not agents.background

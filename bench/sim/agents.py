@@ -69,6 +69,7 @@ class SimSandbox:
     busy_s: float = 0.0  # commands run, all time (played ahead: may end in the future)
     busy_until: float = 0.0  # when its last command ends
     frozen_at: float | None = None  # when it was first frozen
+    loop_started: bool = False  # its command loop runs: commands need no engine exec
     _row: SandboxRow | None = None  # its last row, until what it was made from changes
 
     def __setattr__(self, name: str, value: object) -> None:
@@ -145,11 +146,13 @@ class Engine:
         # in the order they started (a dict, not a set of objects hashed by address: jobs
         # that end together end in that order, and their speeds add up in it, every run)
         self.jobs: dict[Job, None] = {}
-        # windows of load as a heap of (time, change, kind): kind 0 an exec's start,
-        # 1 a command in flight; in_windows[kind] is how many are open
+        # windows of load as a heap of (time, change, kind): kind 0 an exec's start
+        # through the sandbox's command loop, 1 a command in flight, 2 an exec's start
+        # that the engine does (load as kind 0, and work); in_windows[kind] is how many
+        # are open
         self._edges: list[tuple[float, int, int]] = []
         self._weights = (profile.exec_weight, profile.command_weight)
-        self.in_windows = [0, 0]
+        self.in_windows = [0, 0, 0]
         self._rates = profile.engine_rates_per_s
         # the engine's work of one exec start, in seconds of the whole engine (0: none)
         self._exec_work = 1.0 / self._rates["exec"] if "exec" in self._rates else 0.0
@@ -163,9 +166,10 @@ class Engine:
         self._last = 0.0  # when the jobs' work left was last brought up to date
         self._wakeup: asyncio.TimerHandle | None = None
 
-    def exec_window(self, start_s: float, end_s: float) -> None:
-        """An exec's engine work, from `start_s` (now or later) to `end_s`."""
-        self._window(start_s, end_s, 0)
+    def exec_window(self, start_s: float, end_s: float, by_engine: bool = True) -> None:
+        """An exec's start, from `start_s` (now or later) to `end_s`: an engine exec, or
+        (not `by_engine`) a command handed to the sandbox's command loop."""
+        self._window(start_s, end_s, 2 if by_engine else 0)
 
     def command_window(self, start_s: float, end_s: float) -> None:
         """A command in a sandbox, from `start_s` (now or later) to `end_s`."""
@@ -185,8 +189,10 @@ class Engine:
         return self._load()
 
     def _load(self) -> float:
-        execs, commands = self.in_windows
-        return self.running + self._weights[0] * execs + self._weights[1] * commands
+        looped, commands, engine_execs = self.in_windows
+        return (
+            self.running + self._weights[0] * (looped + engine_execs) + self._weights[1] * commands
+        )
 
     async def run(self, op: str, rng: random.Random, counts: bool = True) -> None:
         """Do `op`: its measured duration under the load at its start, stretched or
@@ -217,7 +223,7 @@ class Engine:
             at, change, kind = heapq.heappop(edges)
             self._advance(at)
             self.in_windows[kind] += change
-            if kind == 0 and change > 0 and self._exec_work:
+            if kind == 2 and change > 0 and self._exec_work:
                 self.execs.append(self.exec_done + self._exec_work)
             if self.jobs or self.execs:
                 self._set_speeds()
@@ -491,7 +497,15 @@ class SimAgents:
         await self._engine_op(node, "create", work)
         sb.state = S.WARM
         self._ready(sb.created_at)
+        self._later(self._start_loop(node, sb))
         return CallResult(True, 201, "ok", "")
+
+    async def _start_loop(self, node: SimNode, sb: SimSandbox) -> None:
+        """As the live agent (agent/resident.py): one detached engine exec, once no more
+        urgent work waits, starts a new container's command loop. Until it runs, each of
+        the sandbox's commands is an engine exec; after, a fork inside the sandbox."""
+        await self._engine_op(node, "exec", Work.RESIDENT)
+        sb.loop_started = True
 
     def _ready(self, since: float) -> None:
         if self.on_ready is not None:
@@ -513,6 +527,7 @@ class SimAgents:
                 return CallResult(False, 409, "no_capacity", "no room to restore")
             node.occupy(sb.needs, +1)
             await self._engine_op(node, "restore", Work.CLIENT)
+            self._later(self._start_loop(node, sb))  # a new container
         sb.state, sb.frozen_at = S.LEASED, None
         sb.leased(grant)
         sb.busy_until = max(sb.busy_until, asyncio.get_running_loop().time())
@@ -538,7 +553,7 @@ class SimAgents:
             return CallResult(False, 409, "not_paused", f"sandbox {sandbox_id} is {sb.state}")
         await self._engine_op(node, "commit", Work.FREEZE)
         await self._engine_op(node, "remove", Work.FREEZE)
-        sb.state = HIBERNATED_FROM[sb.state]
+        sb.state, sb.loop_started = HIBERNATED_FROM[sb.state], False
         node.occupy(sb.needs, -1)  # memory released: the files stay on disk
         return OK
 
@@ -598,16 +613,17 @@ class SimAgents:
         the i-th takes took[i], its first engine_s[i] the engine's work (counted as load
         only when the profile says load matters). Returns how long they all take."""
         node = self.nodes[node_id]
+        sb = node.sandboxes.get(sandbox_id)
         if self.profile.contended:
+            by_engine = sb is None or not sb.loop_started
             at = start_s
             for think, engine, command in zip(thinks, engine_s, took, strict=True):
                 at += think
-                node.engine.exec_window(at, at + engine)
+                node.engine.exec_window(at, at + engine, by_engine)
                 node.engine.command_window(at, at + command)
                 at += command
         busy_s = sum(took)
         duration = sum(thinks) + busy_s
-        sb = node.sandboxes.get(sandbox_id)
         if sb is not None:
             sb.busy_s += busy_s
             sb.busy_until = max(sb.busy_until, start_s + duration)
