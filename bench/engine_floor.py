@@ -1,6 +1,7 @@
 """The engine's own floor: the benchmarks' work done directly on the Docker engine
 with the Docker SDK, no pool in between. The baseline of `bench.burst` (a container
-per request) and `bench.churn` (create, execs, remove per episode).
+per request), `bench.churn` (create, execs, remove per episode) and
+`bench.trace_floor` (a trace's episodes, each a container, at their arrival times).
 
 Containers are made by the agents' own driver (`bench.blocking_docker`) from the base template
 (`default_templates()["base"]`: the same image, hardening and limits as a sandbox),
@@ -18,6 +19,7 @@ import secrets
 import threading
 import time
 import uuid
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -34,6 +36,7 @@ from agent.docker_driver import (
 from bench.blocking_docker import BlockingDocker
 from controlplane.config import default_templates
 from dsec.models import TemplateSpec
+from dsec.trace import Episode
 
 BURST_THREADS = 32  # the issue's baseline: a container per request from 32 threads
 # what a floor's create (the agent's driver) or exec (the Docker SDK) fails with
@@ -61,6 +64,18 @@ class ChurnFloor:
     create_s: list[float] = field(default_factory=list)
     remove_s: list[float] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)
+
+
+@dataclass
+class TraceFloor:
+    """A trace's episodes played on the engine, each a container of its own."""
+
+    start_s: list[float] = field(default_factory=list)  # arrival to container started
+    # an exec's wall time past its command's own
+    exec_overhead_s: list[float] = field(default_factory=list)
+    remove_s: list[float] = field(default_factory=list)
+    failures: list[str] = field(default_factory=list)
+    wall_s: float = 0.0  # first arrival to the last episode's end
 
 
 class EngineFloor:
@@ -219,4 +234,61 @@ class EngineFloor:
             for f in [pool.submit(worker) for _ in range(concurrency)]:
                 f.result()
         result.wall_s = time.perf_counter() - started
+        return result
+
+    # --- a trace -----------------------------------------------------------------
+
+    def trace(self, episodes: Sequence[Episode], time_scale: float = 1.0) -> TraceFloor:
+        """Each episode at its arrival (times `time_scale`) on one of `threads` threads:
+        a create, then each step's think and an exec of `sleep EXEC_S`, then a remove.
+        An episode whose container could not be made, or that finds no free thread, is
+        late from its arrival on: the floor has no queue of its own but the threads'."""
+        result = TraceFloor()
+        lock = threading.Lock()
+
+        def one(episode: Episode, arrival: float) -> None:
+            try:
+                container_id = self.create()
+            except ENGINE_ERRORS as e:
+                with lock:
+                    result.failures.append(f"{episode.episode}: {type(e).__name__}: {e}")
+                return
+            started = time.perf_counter()
+            overheads = []
+            try:
+                for step in episode.steps:
+                    time.sleep(step.think_s * time_scale)
+                    exec_s = step.exec_s * time_scale
+                    began = time.perf_counter()
+                    code, _ = self.exec(container_id, ["sleep", f"{exec_s:.3f}"])
+                    overheads.append(time.perf_counter() - began - exec_s)
+                    if code != 0:
+                        raise RuntimeError(f"exec answered {code}")
+            except (*ENGINE_ERRORS, RuntimeError) as e:
+                with lock:
+                    result.failures.append(f"{episode.episode}: {type(e).__name__}: {e}")
+            began = time.perf_counter()
+            try:
+                self.remove(container_id)  # what is left, the close's sweep removes
+            except ENGINE_ERRORS as e:
+                with lock:
+                    result.failures.append(f"{episode.episode}: remove: {e}")
+            removed = time.perf_counter() - began
+            with lock:
+                result.start_s.append(started - arrival)
+                result.exec_overhead_s.extend(overheads)
+                result.remove_s.append(removed)
+
+        ordered = sorted(episodes, key=lambda e: e.arrival_s)
+        with ThreadPoolExecutor(self.threads, "floor-trace") as pool:
+            began = time.perf_counter()
+            t0 = ordered[0].arrival_s if ordered else 0.0
+            futures: list[Future[None]] = []
+            for episode in ordered:
+                arrival = began + (episode.arrival_s - t0) * time_scale
+                time.sleep(max(0.0, arrival - time.perf_counter()))
+                futures.append(pool.submit(one, episode, arrival))
+            for f in futures:
+                f.result()
+            result.wall_s = time.perf_counter() - began
         return result
