@@ -130,9 +130,9 @@ class Engine:
     speed set anew: processor sharing, with the measured slowdowns.
 
     The engine is also one throughput (the profile's `engine_rates_per_s`): an
-    operation of a measured rate uses 1 / rate of an engine-second. An exec start is
-    work too when execs have a rate: 1 / rate of the whole engine's, which nobody
-    waits for (its command's window was given in advance and does not stretch) but
+    operation of a measured rate uses 1 / rate of an engine-second. An engine exec's
+    start (not a command handed to a sandbox's loop) is work too when execs have a
+    rate: 1 / rate of the whole engine's, which nobody waits for (its command's window was given in advance and does not stretch) but
     which the engine must still do. When what runs asks for more than one engine-second
     a second, every job goes slower in the same proportion, as the machine's cores
     share out, so the engine's work is conserved. Without it, a machine asked for more
