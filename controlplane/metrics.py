@@ -198,13 +198,24 @@ class SandboxSeconds:
 
     def __init__(self, view: ClusterView, metrics: ControlPlaneMetrics, now: float) -> None:
         self.view, self.metrics, self.accounted_at = view, metrics, now
+        # (pool, kind) -> its two labelled counters: `labels()` looks a child up under a
+        # lock, and this runs at every tick, outcome and report
+        self._counters: dict[tuple[str, str], tuple[Counter, Counter]] = {}
 
     def account(self, now: float) -> None:
         elapsed = now - self.accounted_at
         self.accounted_at = now
-        for (pool, kind), n in self.view.occupying.items():
+        for key, n in self.view.occupying.items():
             if not n:
                 continue
-            self.metrics.alive_seconds.labels(pool).inc(n * elapsed)
-            # cloud sandbox-seconds cost more: counted apart
-            self.metrics.sandbox_node_seconds.labels(pool, kind).inc(n * elapsed)
+            counters = self._counters.get(key)
+            if counters is None:
+                pool, kind = key
+                # cloud sandbox-seconds cost more: counted apart
+                counters = self._counters[key] = (
+                    self.metrics.alive_seconds.labels(pool),
+                    self.metrics.sandbox_node_seconds.labels(pool, kind),
+                )
+            alive, by_kind = counters
+            alive.inc(n * elapsed)
+            by_kind.inc(n * elapsed)
