@@ -294,7 +294,7 @@ class Placement:
     """Capacity as this decision uses it up, so one tick never overbooks a node."""
 
     def __init__(self, nodes: Iterable[NodeSnap], seed: int) -> None:
-        self.nodes = {n.id: n for n in nodes}
+        self.nodes = tuple(nodes)
         self.extra: dict[str, Resources] = {}
         self.creates: dict[str, int] = {}  # creates placed by this decision, per node
         self.seed = seed
@@ -304,6 +304,10 @@ class Placement:
         # local room, in the same pass (most ticks at DSec's scale place something)
         self.local_capacity: Resources | None = None
         self.local_used: Resources | None = None
+        # (kind, needs, excluded) -> the nodes with room for it, by id in the nodes' order:
+        # looked for once a decision, then kept up to date as placements use room (a
+        # placement changes the room of one node), since a burst places many creates
+        self._room: dict[tuple[str, float, int, int, frozenset[str]], dict[str, NodeSnap]] = {}
 
     def used(self, node: NodeSnap) -> Resources:
         extra = self.extra.get(node.id)
@@ -317,13 +321,23 @@ class Placement:
         return self.local_used.ratio_of(self.local_capacity)
 
     def feasible(self, kind: str, needs: Resources, excluded: frozenset[str]) -> list[NodeSnap]:
+        """The nodes of `kind` that take work and have room for `needs`, less `excluded`."""
+        key = (kind, needs.cpus, needs.memory_mb, needs.slots, excluded)
+        room = self._room.get(key)
+        if room is None:
+            room = self._room[key] = {n.id: n for n in self._look_for_room(kind, needs, excluded)}
+        return list(room.values())
+
+    def _look_for_room(
+        self, kind: str, needs: Resources, excluded: frozenset[str]
+    ) -> list[NodeSnap]:
         # inline, with what it reads in locals: this runs per node per create
         found = []
         extra = self.extra
         slots, cpus, memory_mb = needs.slots, needs.cpus, needs.memory_mb
         totals = kind == "local" and self.local_capacity is None
         total_cpus = total_memory_mb = total_slots = used_cpus = used_memory_mb = used_slots = 0
-        for n in self.nodes.values():
+        for n in self.nodes:
             if n.kind != kind or not n.healthy or n.draining:
                 continue
             used, cap = n.used, n.capacity
@@ -396,6 +410,11 @@ class Placement:
         )
         self.extra[best.id] = self.extra.get(best.id, Resources()) + needs
         self.creates[best.id] = self.creates.get(best.id, 0) + 1
+        for (_, cpus, memory_mb, slots, _), room in self._room.items():
+            if best.id in room and not (
+                self.used(best) + Resources(cpus, memory_mb, slots)
+            ).fits_in(best.capacity):
+                del room[best.id]
         if best.kind == "local" and best.healthy:
             self.local_used = self.local_used + needs
         return best
@@ -410,7 +429,7 @@ class Placement:
         # the nodes that could ever run it, whatever their room: have they all refused it?
         eligible = [
             n.id
-            for n in self.nodes.values()
+            for n in self.nodes
             if n.healthy and not n.draining and (n.kind == "local" or template.may_overflow)
         ]
         if req.template_refusal is not None and req.refused_by.issuperset(eligible):

@@ -528,3 +528,21 @@ def test_a_draining_nodes_room_does_not_count_against_overflow():
 def test_a_drained_node_is_left_alone():
     actions = decide(snap([node("n1", draining=True)], []), {"p": params()}, NOW)
     assert actions == []
+
+
+def test_one_decisions_placements_use_up_room_as_a_look_at_every_node_would():
+    """A decision keeps the nodes with room from one placement to the next: every one is
+    where a fresh look at the nodes would put it, and no node is overbooked."""
+    from dsec.policy import Placement
+
+    nodes = [node(f"n{i:02}", slots=3, used=i % 3) for i in range(40)]  # 81 slots free
+    kept, fresh = Placement(nodes, seed=3), Placement(nodes, seed=3)
+    placed = []
+    for i in range(85):
+        fresh._room.clear()  # a look at every node, each time
+        at = kept.place(TEMPLATES["t"], 0.8, ("k", i))
+        assert at == fresh.place(TEMPLATES["t"], 0.8, ("k", i))
+        placed.append(at and at.id)
+    assert None not in placed[:81] and placed[81:] == [None] * 4
+    by_node = {n.id: placed.count(n.id) for n in nodes}
+    assert all(by_node[n.id] == 3 - n.used.slots for n in nodes)
