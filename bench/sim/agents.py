@@ -132,13 +132,14 @@ class Engine:
     The engine is also one throughput (the profile's `engine_rates_per_s`): an
     operation of a measured rate uses 1 / rate of an engine-second. An engine exec's
     start (not a command handed to a sandbox's loop) is work too when execs have a
-    rate: 1 / rate of the whole engine's, which nobody waits for (its command's window was given in advance and does not stretch) but
-    which the engine must still do. When what runs asks for more than one engine-second
-    a second, every job goes slower in the same proportion, as the machine's cores
-    share out, so the engine's work is conserved. Without it, a machine asked for more
-    creates, removes and execs a second than it completes would seem to keep up (a
-    trace's busiest two minutes, 8 episodes a second of 3.4 execs each, took 6 minutes
-    live, and nearly as long with no pool, on the engine alone)."""
+    rate: 1 / rate of the whole engine's, which nobody waits for (its command's window
+    was given in advance and does not stretch) but which the engine must still do.
+    When what runs asks for more than one engine-second a second, every job goes
+    slower in the same proportion, as the machine's cores share out, so the engine's
+    work is conserved. Without it, a machine asked for more creates, removes and execs
+    a second than it completes would seem to keep up (a trace's busiest two minutes,
+    8 episodes a second of 3.4 execs each, took 6 minutes live, and nearly as long
+    with no pool, on the engine alone)."""
 
     def __init__(self, profile: Profile) -> None:
         self.profile = profile
