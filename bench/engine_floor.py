@@ -116,6 +116,15 @@ class EngineFloor:
         }
         return self.driver.create(f"dsec-{sandbox_id}", self.spec, labels)
 
+    def _create_or_note(self, label: str, failures: list[str], lock: threading.Lock) -> str | None:
+        """A container made; or None, with why it was not in `failures` under `lock`."""
+        try:
+            return self.create()
+        except ENGINE_ERRORS as e:
+            with lock:
+                failures.append(f"{label}: {type(e).__name__}: {e}")
+            return None
+
     def exec(self, container_id: str, cmd: list[str]) -> tuple[int | None, bytes]:
         """What `Container.exec_run` does (create, start and read, inspect), without the
         extra inspect of looking the container up first."""
@@ -154,11 +163,8 @@ class EngineFloor:
         lock = threading.Lock()
 
         def one(i: int, arrival: float) -> None:
-            try:
-                container_id = self.create()
-            except ENGINE_ERRORS as e:
-                with lock:
-                    result.failures.append(f"request {i}: {type(e).__name__}: {e}")
+            container_id = self._create_or_note(f"request {i}", result.failures, lock)
+            if container_id is None:
                 return
             took = time.perf_counter() - arrival
             with lock:
@@ -247,11 +253,8 @@ class EngineFloor:
         lock = threading.Lock()
 
         def one(episode: Episode, arrival: float) -> None:
-            try:
-                container_id = self.create()
-            except ENGINE_ERRORS as e:
-                with lock:
-                    result.failures.append(f"{episode.episode}: {type(e).__name__}: {e}")
+            container_id = self._create_or_note(episode.episode, result.failures, lock)
+            if container_id is None:
                 return
             started = time.perf_counter()
             overheads = []
