@@ -30,7 +30,10 @@ are closed: a command that starts after its caller gave up finds no pipe to bloc
 
 Commands with stdin or a terminal, and sandboxes whose loop is not there (an image
 without `sh`, a tenant that killed it, a sandbox just made), take the engine's exec;
-the loop is started again, at most every RESTART_AFTER_S.
+the loop is started again, at most every RESTART_AFTER_S. So does a command the loop
+could not start because the sandbox had no process to spare (its pids limit reached, by
+a fork bomb, say, or while its init reaps one's remains): a fork inside the sandbox
+fails there, where the engine's exec joins the sandbox from outside and still runs.
 """
 
 from __future__ import annotations
@@ -65,14 +68,23 @@ CHUNK = 1 << 16
 # slows its own command and holds no memory of the agent's.
 CHUNKS_AHEAD = 4
 RC_LINE_MAX = 64  # a status line's bytes read; the shell writes a few
-STARTED = b"started"
+OPENED = b"opened"  # the loop's copy holds ID.rc: its end is now the end of ID.rc
+STARTED = b"started"  # then, from the command's own shell: every fork made, it runs
+ACK_WAIT_S = 1.0  # how long a start waits to learn whether the loop could start it
 # a loop starts in a running container: a frozen one would hang its exec in the engine
 LOOP_STATES = frozenset({SandboxState.WARM, SandboxState.LEASED})
 KILLED_EXIT_CODE = 137  # a command whose waiting copy of the loop was killed: as SIGKILL's
+NOT_STARTED_EXIT_CODE = 126  # as the engine's exec answers a command it cannot start
+NOT_STARTED = b"dsec: the sandbox could not start the command: no fork (its pids limit?)\n"
 
-# Reads ids from ctl; for each, a copy of the loop opens ID.rc, says "started" there,
+# Reads ids from ctl; for each, a copy of the loop opens ID.rc and says "opened" there,
 # runs ID.cmd in a session of its own with its output on ID.out and ID.err, and writes
-# its exit code to ID.rc. The copy holds ID.rc open until it ends, so the agent sees its
+# its exit code to ID.rc. ID.cmd's shell says "started" before anything else, so
+# without it the command never ran. A fork that fails (the sandbox at its pids limit)
+# ends the shell that made it: the copy's, so ID.rc ends; the subshell's that forks the
+# copy, and the loop says "nofork" (`1<>` opens the pipe without waiting for a reader,
+# so the loop never blocks on it); or the loop's own, which the agent finds gone
+# (`Resident._runs`). The copy holds ID.rc open until it ends, so the agent sees its
 # end even when something kills it before it could write the code. It is orphaned at
 # once, so the sandbox's init reaps it, not the loop (which would leave zombies, counted
 # against the pids limit, until its next command). fd 3 (ctl) is closed in commands: a
@@ -84,10 +96,10 @@ SERVE_SCRIPT = f"""\
 exec 3<>{MOUNT}/ctl
 while read -r id <&3; do
   case $id in ''|*[!0-9a-f]*) continue ;; esac
-  ( (exec 4>"{MOUNT}/$id.rc"; echo started >&4
+  ( (exec 4>"{MOUNT}/$id.rc"; echo {OPENED.decode()} >&4
      /bin/sh -c 'exec setsid sh "$1"' sh "{MOUNT}/$id.cmd" \\
-       </dev/null >"{MOUNT}/$id.out" 2>"{MOUNT}/$id.err" 4>&-
-     echo $? >&4) & ) 3<&-
+       </dev/null >"{MOUNT}/$id.out" 2>"{MOUNT}/$id.err"
+     echo $? >&4) & ) 3<&- || echo nofork 1<>"{MOUNT}/$id.rc"
 done
 """
 SHELL = "sh"  # the loop's shell in its directory
@@ -98,6 +110,7 @@ def command_script(argv: list[str], env: dict[str, str], workdir: str) -> str:
     start (no such directory, no such program), else the program's own exit code."""
     q = shlex.quote
     lines = [
+        f"echo {STARTED.decode()} >&4; exec 4>&-",  # see SERVE_SCRIPT
         f"cd -- {q(workdir)} 2>/dev/null || "
         f"{{ echo {q(f'dsec: chdir to {workdir} failed: no such directory')} >&2; exit 126; }}",
         *(f"export {name}={q(value)}" for name, value in env.items()),
@@ -128,6 +141,9 @@ class ResidentProcess:
         self.holders: dict[str, int] = {}  # our write ends, held until the loop's copy has its own
         self.tasks: list[asyncio.Task] = []
         self.on_close: Callable[[], None] | None = None
+        self.answered = asyncio.Event()  # "started" or another line on ID.rc, or its end
+        self.opened = False  # the loop's copy said "opened"
+        self.ran = True  # False once ID.rc says the command never ran
 
     async def open(self, script: str) -> None:
         """Make the pipes and the script, and open our ends: read ends, each with a write
@@ -167,19 +183,42 @@ class ResidentProcess:
         await self.chunks.put(None)
 
     async def _status(self, rc: asyncio.StreamReader) -> None:
-        """ "started" once the loop's copy holds ID.rc (our own write end goes: its end is
-        now the copy's end), then the exit code. An end before the code: the copy was
+        """ "opened" once the loop's copy holds ID.rc (our own write end goes: its end is
+        now the copy's end), "started" once the command runs, then the exit code; no
+        "started": it never ran (SERVE_SCRIPT). An end before the code: the copy was
         killed, so was its command (a reset, the container's end, or the tenant)."""
         try:
-            if (await rc.readuntil(b"\n"))[:-1] == STARTED:
+            line = (await rc.readuntil(b"\n"))[:-1]
+            if line == OPENED:
+                self.opened = True
                 self._release(self.names[3])
-            self.code = int((await rc.readuntil(b"\n"))[:RC_LINE_MAX])
+                line = (await rc.readuntil(b"\n"))[:-1]
+            self.ran = line == STARTED
+            self.answered.set()
+            if self.ran:
+                self.code = int((await rc.readuntil(b"\n"))[:RC_LINE_MAX])
+            else:
+                self.code = NOT_STARTED_EXIT_CODE
+                await self.chunks.put((STDERR, NOT_STARTED))
         except asyncio.IncompleteReadError:
             self.code = KILLED_EXIT_CODE  # the copy ended with no code: killed, as its command
         except (ValueError, asyncio.LimitOverrunError):
             self.code = 255  # not a code: the tenant wrote there, fooling only itself
+        finally:
+            if not self.answered.is_set():  # ended before "started": it never ran
+                self.ran = False
+                self.answered.set()
         # the command has ended: its output ends when whatever it left running lets go
         self.abort()
+
+    async def runs(self, within_s: float) -> bool:
+        """False when the loop says, within `within_s`, that the command never ran (it
+        could not fork); True once it runs, or when nothing is said in time (it may
+        yet run: its end is awaited as any command's)."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(within_s):
+                await self.answered.wait()
+        return self.ran
 
     def _release(self, *names: str) -> None:
         for name in names or list(self.holders):
@@ -373,7 +412,8 @@ class Resident:
         self, sandbox: Sandbox, argv: list[str], env: dict[str, str], workdir: str
     ) -> ResidentProcess | None:
         """Start a command through the sandbox's loop; None when the loop is not there
-        (the caller takes the engine's exec, and the loop is started again)."""
+        (the caller takes the engine's exec, and the loop is started again) or could
+        not start it."""
         try:
             dir_fd = os.open(self.dir_of(sandbox.id), os.O_RDONLY | os.O_DIRECTORY)
         except FileNotFoundError:
@@ -398,7 +438,23 @@ class Resident:
         running = self.running.setdefault(sandbox.id, set())
         running.add(proc)
         proc.on_close = lambda: _forget(self.running, sandbox.id, proc)
+        if not await self._runs(sandbox, proc):
+            await proc.close()  # never ran: the engine's exec, which needs no fork inside
+            return None
         return proc
+
+    async def _runs(self, sandbox: Sandbox, proc: ResidentProcess) -> bool:
+        """Whether the command runs, or may yet. Not when the loop or its copy says it
+        never ran, nor when nothing came and the loop has gone: a fork that fails ends
+        the shell that made it, the loop's own too (a sandbox with no pid left). The
+        loop is then started again, as one a tenant killed."""
+        if not await proc.runs(ACK_WAIT_S):
+            return False
+        loop = sandbox.loop
+        if proc.answered.is_set() or proc.opened or loop is None or loop.alive():
+            return True
+        sandbox.loop = None
+        return False
 
 
 @contextlib.asynccontextmanager

@@ -159,6 +159,38 @@ async def test_a_killed_loop_leaves_commands_to_the_engine_and_comes_back(sb):
     await loop_serving(sb)  # started again, at most every agent.resident.RESTART_AFTER_S
 
 
+async def test_a_sandbox_with_no_pid_left_runs_commands_through_the_engine(pool, docker_client):
+    """A fork inside the sandbox fails at its pids limit, so the loop cannot start a
+    command: it says so, or its own failed fork ends it, and the command takes the
+    engine's exec, which joins the sandbox from outside (before, the command waited out
+    its whole timeout)."""
+    events = ["sh", "-c", "read l < /sys/fs/cgroup/pids/pids.events; echo $PPID $l"]
+    async with Client(pool.url, token=pool.tokens.client) as c:
+        async with c.sandbox() as sandbox:
+            await loop_serving(sandbox)
+            container = docker_client.containers.get(f"dsec-{sandbox.id}")
+            # From outside, so no command of the sandbox's is there to kill: sleepers
+            # until a fork fails, which ends the filler (ash's rule), so one pid is left.
+            fill = "while sleep 1000 & do :; done"
+            await asyncio.to_thread(container.exec_run, ["sh", "-c", fill], detach=True)
+
+            async def filled() -> bool:  # `docker top` runs `ps` on the host: no pid here
+                args = [p[-1] for p in (await asyncio.to_thread(container.top))["Processes"]]
+                return "sleep 1000" in args and not any(fill in a for a in args)
+
+            await eventually(filled, timeout=60)
+            # the loop forks a subshell with the last pid, whose fork of the copy fails
+            out = await sandbox.exec(events, timeout=20)
+            assert not out.timed_out and out.exit_code == 0, out
+            assert out.stdout.split()[:2] == ["0", "max"], out  # parent outside: the engine
+            # the last pid taken too (an engine exec joins past the limit): the loop's own
+            # fork fails, which ends it
+            await asyncio.to_thread(container.exec_run, ["sleep", "1000"], detach=True)
+            out = await sandbox.exec(events, timeout=20)
+            assert not out.timed_out and out.stdout.split()[:2] == ["0", "max"], out
+            assert (await sandbox.exec(["echo", "still"])).stdout == "still\n"
+
+
 async def test_stdin_takes_the_engine_and_works(sb):
     chunks = []
     async with sb.exec_stream(["sh", "-c", "cat; echo $PPID"], stdin=True) as stream:
