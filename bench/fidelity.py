@@ -28,11 +28,11 @@ import json
 import sys
 from pathlib import Path
 
-from bench.calibrate import CALIBRATE_ERRORS, calibrate
+from bench.calibrate import CALIBRATE_ERRORS
 from bench.records import RunResult
 from bench.replay_live import ReplayError, default_pool_spec, replay_live
 from bench.report import build_report, write_report
-from bench.runargs import add_run_arguments, load_run
+from bench.runargs import add_run_arguments, load_run, measure_profile
 from bench.sim import simulate
 from bench.sim.profile import Profile
 from bench.stats import quantile
@@ -119,21 +119,14 @@ def render(result: dict) -> str:
 
 
 def add_fidelity_arguments(parser: argparse.ArgumentParser) -> None:
-    add_run_arguments(parser, out="out/fidelity")
-    parser.add_argument("--calibrate", action="store_true",
-                        help="measure the profile now, before the live replay")  # fmt: skip
-    parser.add_argument("--calibrate-samples", type=int, default=30)
+    add_run_arguments(parser, out="out/fidelity", calibrate=True)
     parser.add_argument("--sim-seeds", type=int, default=10)
 
 
 def run_fidelity(args: argparse.Namespace) -> int:
     try:
-        if args.calibrate and args.profile:
-            raise ValueError("--calibrate measures a profile: give it or --profile, not both")
         if not 1 <= args.sim_seeds <= 1000:
             raise ValueError("--sim-seeds must be between 1 and 1000")
-        if not 5 <= args.calibrate_samples <= 1000:
-            raise ValueError("--calibrate-samples must be between 5 and 1000")
         episodes, profile = load_run(args)
     except (TraceError, ValueError, OSError) as e:
         print(f"dsec bench fidelity: {e}", file=sys.stderr)
@@ -141,8 +134,7 @@ def run_fidelity(args: argparse.Namespace) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     try:
         if args.calibrate:
-            profile = calibrate(args.calibrate_samples, args.nodes)
-            profile.save(args.out / "profile.json")
+            profile = measure_profile(args)
         spec = default_pool_spec(args.policy, nodes=args.nodes, slots_per_node=args.slots_per_node)
         result = fidelity(
             episodes, spec, time_scale=args.time_scale, seed=args.seed, profile=profile,

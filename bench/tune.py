@@ -3,7 +3,12 @@
     dsec bench tune --trace FILE --target p99_ms=500[,queue_wait=0.1] [--budget 40]
         [--space NAME=LO:HI[:log] | NAME=V1,V2,...]... [--seeds 3] [--jobs 1]
         [--live-s 120 | --no-live] [--docker-lock FILE] [--nodes 3] [--slots-per-node 64]
-        [--profile FILE] [--seed S] [--time-scale X] [--out DIR] [--json]
+        [--profile FILE | --calibrate] [--seed S] [--time-scale X] [--out DIR] [--json]
+
+`--calibrate` measures the profile first (`dsec bench calibrate`, under `--docker-lock`):
+the search and the live check then see the engine as it is this run, not as it was when
+a saved profile was measured (on this shared machine its create rate moved by a third
+from one session to the next).
 
 Cost is sandbox-seconds (what the pool holds, by the control plane's own count). In the
 simulator, on the whole trace, with the seed `--seed`:
@@ -57,7 +62,7 @@ from pydantic import ValidationError
 from bench.generate import summarize
 from bench.policies import policy_params
 from bench.report import build_report
-from bench.runargs import add_run_arguments, load_run
+from bench.runargs import add_run_arguments, load_run, measure_profile
 from bench.sweep import figures, measure, pareto_front, plot_pareto
 from dsec.baselines import POLICIES
 from dsec.models import PoolParams
@@ -610,7 +615,7 @@ def _ms(value: float | None) -> str:
 
 
 def add_tune_arguments(parser: argparse.ArgumentParser) -> None:
-    add_run_arguments(parser, out="out/tune")
+    add_run_arguments(parser, out="out/tune", calibrate=True)
     parser.add_argument("--target", required=True, metavar="NAME=LIMIT[,NAME=LIMIT]",
                         help=f"what must hold, at most: {', '.join(TARGETS)}")  # fmt: skip
     parser.add_argument("--budget", type=int, default=DEFAULT_BUDGET,
@@ -659,6 +664,16 @@ def run_tune(args: argparse.Namespace) -> int:
     except (TraceError, ValueError, OSError) as e:
         print(f"dsec bench tune: {e}", file=sys.stderr)
         return 2
+    if args.calibrate:
+        from bench.calibrate import CALIBRATE_ERRORS
+
+        try:
+            with held(args.docker_lock):
+                profile = measure_profile(args)
+        except CALIBRATE_ERRORS as e:
+            print(f"dsec bench tune: the calibration failed: {type(e).__name__}: {e}",
+                  file=sys.stderr)  # fmt: skip
+            return 1
     result = tune(args, episodes, profile, target, space)
     args.out.mkdir(parents=True, exist_ok=True)
     code = 0

@@ -152,6 +152,29 @@ def test_tune_finds_the_cheapest_setting_meeting_the_target_and_compares_it(
     assert result["pool_set"] in report and "| static |" in report
 
 
+def test_calibrate_measures_the_profile_first_and_the_search_uses_it(
+    trace, tmp_path, capsys, monkeypatch
+):
+    """The wiring of --calibrate (the measurement itself, on Docker, is
+    test_fidelity's): the profile measured with the samples asked for is saved beside
+    the report and is the one every simulation of the search ran with."""
+    measured = Profile({op: [0.05] for op in Profile.default(10).samples}, source="measured now")
+    asked = []
+
+    def calibrate(samples: int, nodes: int) -> Profile:
+        asked.append((samples, nodes))
+        return measured
+
+    monkeypatch.setattr("bench.calibrate.calibrate", calibrate)
+    code, result, err = tune(trace, tmp_path, capsys, "--target", "p99_ms=100", "--budget", "6",
+                             "--space", "min_warm=0:4", "--calibrate", "--calibrate-samples",
+                             "7")  # fmt: skip
+    assert code == 0, err
+    assert asked == [(7, 1)]
+    assert result["simulation"]["profile"] == "measured now"
+    assert Profile.load(tmp_path / "tune" / "profile.json").source == "measured now"
+
+
 async def test_the_pool_configuration_it_writes_is_what_dsec_pool_set_applies(tmp_path):
     params = {**PoolParams().model_dump(mode="json"), "min_warm": 3, "warm_fraction": 0.05,
               "recycle": True}  # fmt: skip
@@ -192,6 +215,9 @@ def test_a_target_no_setting_meets_shows_the_closest_and_fails(trace, tmp_path, 
         (["--target", "p99_ms=5", "--policy", "keda"], "--policy"),
         (["--target", "p99_ms=5", "--space", "min_warm=0:2", "--space", "min_warm=0,1"],
          "twice"),
+        (["--target", "p99_ms=5", "--calibrate", "--profile", "p.json"], "not both"),
+        (["--target", "p99_ms=5", "--calibrate", "--calibrate-samples", "2"],
+         "--calibrate-samples"),
     ],
 )  # fmt: skip
 def test_bad_flags_are_refused_in_one_line(trace, tmp_path, capsys, extra, says):
