@@ -14,15 +14,21 @@ and removing containers with the agent's own calls: load as the simulator counts
 Acquires take sandboxes from a warm pool that does not refill, so that not even their
 own refill runs meanwhile. Levels are measured in turns, a few acquires each, so that
 a change in the machine's other load touches all of them. The pool has as many nodes
-as a replay's (`--nodes`). An exec start's weight as load, against a create's, is the
-slowdown of cold acquires beside EXEC_LOOPS loops of execs over that of creates beside
-as many creates. A command in flight loads the machine too, through the agent and the
-client that carry it: warm acquires are also timed beside COMMAND_SANDBOXES sandboxes
-running `sleep` again and again, and the operations' worth of load that slows them as
-much, shared out among the commands, is a command's weight. The most creates, removes
-and execs of `true` (the agent's driver, on the engine directly) the engine completes
-a second, at any of CONCURRENCY at once, are its throughput, which the simulator's
-engine shares out among all three.
+as a replay's (`--nodes`). The most creates, removes and execs of `true` (the agent's
+driver, on the engine directly) the engine completes a second, at any of CONCURRENCY at
+once, are its throughput, which the simulator's engine shares out among all three; an
+exec start's weight as load, against a create's, is the ratio of their engine work (the
+create rate over the exec rate). A command in flight loads the machine too, through the
+agent and the client that carry it: warm acquires are also timed beside
+COMMAND_SANDBOXES sandboxes running `sleep` again and again, and the operations' worth
+of load that slows them as much (at most the highest of LOAD_LEVELS, the load measured),
+shared out among the commands, is a command's weight.
+
+Both weights were once ratios of two small slowdowns, each a median of a few dozen
+samples: on this shared machine they came out at 0.3 one run and 6.9 the next, and a
+weight of 8 (the load's bound at the time, 256 operations, over 32 commands) made the
+simulator's Poisson run 1,500 times slower than live. The throughput is measured over
+hundreds of operations, and a load is not read past what was measured.
 """
 
 from __future__ import annotations
@@ -58,12 +64,9 @@ CONCURRENCY = (2, 4, 8)  # creates and removes timed this many at a time, beside
 LOAD_LEVELS = (0, 1, 2, 4)  # engine operations under way while warm acquires are timed
 COMMAND_SANDBOXES = 32  # sandboxes running commands while warm acquires are timed
 COMMAND_S = 1.0  # how long each of their commands runs
-MAX_EQUIVALENT_LOAD = 256  # the most operations' worth of load a measurement may come to
 BATCH = 10  # warm sandboxes per turn of acquires
 # a warm acquire's tail is the schedule latency's: leases get this many times the samples
 LEASE_SAMPLES_FACTOR = 3
-EXEC_LOOPS = 2  # exec loops beside the cold acquires that weigh an exec against a create
-COLD_TURN = 5  # cold acquires per turn, alone or beside the exec loops
 ACQUIRE_GAP_S = 0.02  # between acquires of a turn: each meets the load, not the last one
 LOAD_SETTLE_S = 0.3  # background loops run this long before a turn starts
 
@@ -263,9 +266,9 @@ class CommandLoad:
 
 async def pool_samples(
     engine: Engine, n: int, nodes: int
-) -> tuple[Samples, LoadedSamples, LoadedSamples, list[float]]:
-    """The exec and lease samples, alone and under load, the cold acquires beside exec
-    loops, and warm acquires beside commands in flight."""
+) -> tuple[Samples, LoadedSamples, list[float]]:
+    """The exec and lease samples, alone and under load, and warm acquires beside
+    commands in flight."""
     spec = LocalPoolSpec(
         name=f"calibrate-{uuid.uuid4().hex[:6]}", nodes=nodes, port=0,
         capacity=Capacity(cpus=64, memory_mb=65536, slots=64),
@@ -300,50 +303,15 @@ async def pool_samples(
                 )
         finally:
             await commands.close()
-        cold = await _cold_beside_execs(client, n)
     samples["lease"] = by_level[0][:leases]
     under_load = {"lease": {k: by_level[k][:leases] for k in LOAD_LEVELS if k}}
-    return samples, under_load, cold, beside_commands[:leases]
+    return samples, under_load, beside_commands[:leases]
 
 
-async def _cold_beside_execs(client: Client, n: int) -> dict[int, list[float]]:
-    """Cold acquires (an agent's create, then the lease) one at a time, alone and beside
-    EXEC_LOOPS loops of `true` execs in held sandboxes, in turns: schedule times by
-    the number of exec loops."""
-    cold: dict[int, list[float]] = {0: [], EXEC_LOOPS: []}
-    stopping = asyncio.Event()
-
-    async def exec_loop(sandbox: Sandbox) -> None:
-        while not stopping.is_set():
-            await sandbox.exec(["true"])
-
-    held = [await client.acquire(pool="load") for _ in range(EXEC_LOOPS)]
-    try:
-        while min(len(s) for s in cold.values()) < n:
-            for k in cold:
-                stopping.clear()
-                loops = [asyncio.create_task(exec_loop(sb)) for sb in held[:k]]
-                try:
-                    for _ in range(COLD_TURN):
-                        async with client.sandbox(pool="load") as sb:
-                            cold[k].append(sb.lease.schedule_ms / 1000)
-                finally:
-                    stopping.set()
-                    await asyncio.gather(*loops)
-    finally:
-        await asyncio.gather(*(sb.release() for sb in held))
-    return cold
-
-
-def exec_weight(create_slowdown: Callable[[float], float], cold: dict[int, list[float]]) -> float:
-    """How many creates' worth of load one exec start is: the slowdown of a cold acquire
-    (mostly its create) beside EXEC_LOOPS exec loops, against the slowdown of a create
-    beside as many creates."""
-    beside_execs = statistics.median(cold[EXEC_LOOPS]) / statistics.median(cold[0]) - 1
-    beside_creates = create_slowdown(EXEC_LOOPS) - 1
-    if beside_creates <= 0:
-        return 1.0  # creates did not slow each other: nothing to weigh against
-    return max(0.0, beside_execs / beside_creates)
+def exec_weight(rates_per_s: dict[str, float]) -> float:
+    """How many creates' worth of load one exec start is: its engine work against a
+    create's, from the rates at which the engine completes each."""
+    return rates_per_s["create"] / rates_per_s["exec"]
 
 
 async def _acquire_turn(
@@ -369,11 +337,14 @@ async def _acquire_turn(
 
 
 def equivalent_load(slowdown: Callable[[float], float], ratio: float) -> float:
-    """The load (operations under way) at which `slowdown` reaches `ratio`: it grows
-    with the load, so halving the interval finds it; 0 if `ratio` is not above 1."""
+    """The load (operations under way, up to the highest of LOAD_LEVELS) at which
+    `slowdown` reaches `ratio`: it grows with the load, so halving the interval finds
+    it; 0 if `ratio` is not above 1. A ratio past the slowdown at the highest load
+    measured is read as that load: past it, `slowdown` is a trend carried on, whose
+    slope (a difference of two noisy medians) may be near 0."""
     if ratio <= 1.0:
         return 0.0
-    low, high = 0.0, float(MAX_EQUIVALENT_LOAD)
+    low, high = 0.0, float(max(LOAD_LEVELS))
     if slowdown(high) <= ratio:
         return high
     for _ in range(50):
@@ -397,7 +368,7 @@ def calibrate(n: int, nodes: int = DEFAULT_NODES) -> Profile:
     engine = Engine()
     try:
         samples, under_load, rates = docker_samples(engine, n)
-        pooled, pooled_loaded, cold, beside_commands = asyncio.run(pool_samples(engine, n, nodes))
+        pooled, pooled_loaded, beside_commands = asyncio.run(pool_samples(engine, n, nodes))
     finally:
         engine.sweep()
         engine.driver.close()
@@ -409,15 +380,14 @@ def calibrate(n: int, nodes: int = DEFAULT_NODES) -> Profile:
     profile = Profile(samples, engine_concurrency=LIFECYCLE_SLOTS,
                       under_load=under_load,
                       engine_rates_per_s={op: round(r, 2) for op, r in rates.items()})  # fmt: skip
-    profile.exec_weight = round(exec_weight(lambda k: profile.slowdown("create", k), cold), 3)
+    profile.exec_weight = round(exec_weight(profile.engine_rates_per_s), 3)
     profile.command_weight = round(
         command_weight(lambda k: profile.slowdown("lease", k), samples["lease"], beside_commands),
         4,
     )
     profile.source = (
-        f"calibrated here, {n} samples per operation and load; cold acquire median "
-        f"{statistics.median(cold[0]) * 1000:.0f} ms alone, "
-        f"{statistics.median(cold[EXEC_LOOPS]) * 1000:.0f} ms beside {EXEC_LOOPS} exec loops"
+        f"calibrated here, {n} samples per operation and load; create median "
+        f"{statistics.median(samples['create']) * 1000:.0f} ms alone"
     )
     return profile
 

@@ -8,7 +8,15 @@ import argparse
 import pytest
 from conftest import STARTED_POOLS, make_spec, pool_containers
 
-from bench.calibrate import CONCURRENCY, LEASE_SAMPLES_FACTOR, LOAD_LEVELS, calibrate
+from bench.calibrate import (
+    COMMAND_SANDBOXES,
+    CONCURRENCY,
+    LEASE_SAMPLES_FACTOR,
+    LOAD_LEVELS,
+    calibrate,
+    command_weight,
+    exec_weight,
+)
 from bench.fidelity import add_fidelity_arguments, fidelity, relative_error, run_fidelity
 from bench.sim.profile import OPS, Profile
 from dsec.models import PoolParams
@@ -32,6 +40,24 @@ def test_relative_error_is_the_distance_from_live_over_live():
     assert relative_error(9.0, 10.0) == pytest.approx(0.1)
     assert relative_error(1.0, None) is None and relative_error(None, 1.0) is None
     assert relative_error(1.0, 0.0) is None  # no scale to be relative to
+
+
+def test_an_exec_start_weighs_its_engine_work_against_a_create():
+    assert exec_weight({"create": 10.0, "remove": 20.0, "exec": 25.0}) == pytest.approx(0.4)
+
+
+def test_a_command_weighs_no_more_than_the_highest_load_measured_shared_out():
+    """Leases that barely slow under the engine's load (a flat curve: 6.7 ms alone, 6.8
+    at 4 operations) and a little more beside commands: the equivalent load is read no
+    further than 4 operations (before, a bound of 256 made it 8 per command)."""
+    leases = Profile({op: [1.0] for op in OPS} | {"lease": [0.0067]},
+                     under_load={"lease": {1: [0.0063], 2: [0.0076], 4: [0.0068]}})  # fmt: skip
+    weight = command_weight(lambda k: leases.slowdown("lease", k), [0.0067], [0.0080])
+    assert weight == pytest.approx(max(LOAD_LEVELS) / COMMAND_SANDBOXES)
+    # within what was measured, it is the load that slows leases as much
+    within = command_weight(lambda k: 1 + 0.1 * k, [0.010], [0.012])
+    assert within == pytest.approx(2 / COMMAND_SANDBOXES)
+    assert command_weight(lambda k: 1 + 0.1 * k, [0.010], [0.009]) == 0.0
 
 
 @pytest.mark.parametrize(
@@ -68,7 +94,9 @@ def test_calibration_measures_every_operation_alone_and_under_load(docker_client
     leases = n * LEASE_SAMPLES_FACTOR
     assert len(profile.samples["lease"]) == leases
     assert all(len(s) == leases for s in profile.under_load["lease"].values())
-    assert profile.exec_weight >= 0
+    rates = profile.engine_rates_per_s
+    assert profile.exec_weight == pytest.approx(rates["create"] / rates["exec"], abs=1e-3)
+    assert 0 <= profile.command_weight <= max(LOAD_LEVELS) / COMMAND_SANDBOXES
     # the engine's throughput of each: more than one a second, and the same engine's
     assert set(profile.engine_rates_per_s) == {"create", "remove", "exec"}
     assert all(rate > 1 for rate in profile.engine_rates_per_s.values())
