@@ -4,10 +4,11 @@ A command runs on the event loop (agent/docker_driver.py `Process`), holding one
 to the engine and no thread, so one tenant's long commands cannot delay another's.
 Limits are per sandbox and per node, answered at once with 429 rather than queued, so
 a command's deadline counts from its start. A command that outlives its deadline (or
-whose client hung up) is killed inside its own sandbox: every process that carries its
-marker in the environment, with its process group (Docker makes each command a session
-leader). The agent never signals a host PID: PIDs are reused, and a tenant can cycle
-them.
+whose client hung up) is killed: every process that carries its marker in the
+environment, with its process group (each command leads a session of its own). From the
+host where the agent can (agent/host.py: a process is signalled through a pidfd checked
+to be the container's, so a reused PID is never hit; no fork in the sandbox, whose pids
+may all be taken, and no engine exec), else by a script inside the sandbox.
 
 One-shot commands (`run`) return their output capped; streaming ones (`stream`, the
 WebSocket route in agent/app.py) hand each chunk to a sink as it is produced and take
@@ -28,6 +29,7 @@ from typing import TYPE_CHECKING
 from agent.audit import AuditRecord, quoted_cmd
 from agent.docker_driver import RUNC_STOPPED, STDOUT, TIMEOUT_EXIT_CODE, DockerOpError
 from agent.engine import Work
+from agent.host import Unavailable, kill_command_from_host
 from agent.resident import RunningCommand
 from agent.sandboxes import Sandbox
 from dsec.httpkit import ApiError, CredentialRefused
@@ -38,7 +40,7 @@ if TYPE_CHECKING:
     from agent.node import Agent
 
 log = logging.getLogger(__name__)
-MARKER_ENV = "DSEC_EXEC"  # names a command's processes, for a kill inside the sandbox
+MARKER_ENV = "DSEC_EXEC"  # names a command's processes, for its kill
 # Every process whose environment carries the marker, and its process group (never the
 # init's, group 1): a child that cleared its environment still dies with its group.
 KILL_SCRIPT = r"""
@@ -351,7 +353,19 @@ class Execs:
         return TIMEOUT_EXIT_CODE  # its output ended, its exit was never recorded
 
     async def _kill(self, container_id: str, marker: str, sandbox: Sandbox) -> None:
-        """Kill a command's processes inside its sandbox (see KILL_SCRIPT)."""
+        """Kill a command's processes: from the host, else inside its sandbox (see
+        KILL_SCRIPT)."""
+        try:
+            pid = await self.agent.docker.init_pid(container_id)
+            if pid is not None:
+                entry = f"{MARKER_ENV}={marker}".encode()
+                if left := await kill_command_from_host(pid, container_id, entry):
+                    log.warning("processes of a command in %s will not die: %s", sandbox.id, left)
+                return
+        except Unavailable as e:
+            log.debug("a command in %s is killed through the engine: %s", sandbox.id, e)
+        except DockerOpError as e:
+            self.agent.docker_failed(e)
         kill = ["sh", "-c", KILL_SCRIPT, "dsec-kill", marker]
         try:
             async with asyncio.timeout(KILL_TIMEOUT_S):

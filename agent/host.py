@@ -12,7 +12,10 @@ here the same work is a few system calls:
   command, empties the directories, removes the SysV IPC objects, and checks all three.
   It keeps the sandbox's command loop too where it is the very process the agent
   started, in a shell no tenant can reach into (agent/resident.py), and unchanged: the
-  next lease's commands then need no engine exec to start it again.
+  next lease's commands then need no engine exec to start it again;
+- a command past its deadline (`kill_command_from_host`) is killed as agent/execs.py's
+  script does inside, with no fork there: a sandbox whose pids are all taken cannot
+  run that script.
 
 A process is signalled only through a pidfd that was checked, once open, to be in the
 container's cgroup, so a PID that another process took is never signalled. The
@@ -224,12 +227,16 @@ class HostSandbox:
         return min(children)[1] if children else None
 
     async def kill_all_but(self, keep: set[int]) -> set[int]:
-        """Stop, then kill, every other process, round after round, until none is left
-        (stopped first, so that nothing forks while the rest are killed); what still
-        runs after KILL_ROUNDS."""
+        """Kill every other process (`kill_chosen`)."""
+        return await self.kill_chosen(lambda pids: pids - keep)
+
+    async def kill_chosen(self, choose: Callable[[set[int]], set[int]]) -> set[int]:
+        """Stop, then kill, the processes `choose` picks of those alive, round after
+        round, until it picks none (stopped first, so that nothing forks while the rest
+        are killed); what it still picks after KILL_ROUNDS."""
         others: set[int] = set()
         for round_ in range(KILL_ROUNDS):
-            others = self.pids() - keep
+            others = choose(self.pids())
             if not others:
                 return set()
             pidfds = [fd for p in others if (fd := open_in_container(p, self.container_id))]
@@ -275,6 +282,51 @@ class HostSandbox:
         while (left := self.pids() - keep) and loop.time() < deadline:
             await asyncio.sleep(0.005)
         return left
+
+
+def _carries(pid: int, entry: bytes) -> bool:
+    """Whether `entry` (NAME=VALUE) is in the environment process `pid` started with.
+    Raises PermissionError where another user's environment cannot be read from here."""
+    try:
+        return entry in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+def _own_group(pid: int) -> int | None:
+    """Process `pid`'s group, by its host PGID, where the group is one of the
+    container's own (as the container sees it: neither init's, 1, nor one led from
+    outside, 0); None otherwise."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return None
+    for line in status.splitlines():
+        if line.startswith("NSpgid:"):
+            ids = line.split()[1:]  # the host's PGID first, the container's last
+            return int(ids[0]) if len(ids) > 1 and int(ids[-1]) > 1 else None
+    return None
+
+
+async def kill_command_from_host(init_pid: int, container_id: str, marker_entry: bytes) -> set[int]:
+    """Kill a command's processes without the engine, and without a fork in the sandbox
+    (whose pids may all be taken): every process that carries `marker_entry` in its
+    environment, and every process of their own groups (a child that cleared its
+    environment still dies with its group), as agent/execs.py's KILL_SCRIPT does inside.
+    What still runs after KILL_ROUNDS; `Unavailable` when it cannot be done from here."""
+    sandbox = HostSandbox(init_pid, container_id)
+
+    def command(pids: set[int]) -> set[int]:
+        marked = {p for p in pids if _carries(p, marker_entry)}
+        groups = {g for p in marked if (g := _own_group(p)) is not None}
+        return (marked | {p for p in pids if groups and _own_group(p) in groups}) - {init_pid}
+
+    try:
+        return await sandbox.kill_chosen(command)
+    except PermissionError as e:
+        raise Unavailable(f"the environment of the sandbox's processes: {e}") from e
+    finally:
+        sandbox.close()
 
 
 async def in_own_thread(fn: Callable[[], T]) -> T:

@@ -228,9 +228,12 @@ class ResidentProcess:
 
     def abort(self) -> None:
         """Its processes are gone (killed by a reset, or with their container): the
-        exit code, if none came, is SIGKILL's, and the output ends with what was written."""
+        exit code, if none came, is SIGKILL's, and the output ends with what was written.
+        Killed, not refused: a start waiting to learn whether it ran does not take the
+        engine's exec instead."""
         if self.code is None:
             self.code = KILLED_EXIT_CODE
+        self.answered.set()
         self._release()
 
     async def read(self) -> tuple[int, bytes] | None:

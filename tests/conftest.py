@@ -191,6 +191,36 @@ async def eventually(check, what: str = "", timeout: float = 30.0, interval: flo
         await asyncio.sleep(interval)
 
 
+async def take_pids(container) -> None:
+    """Take all of a container's pids but one, for good, from outside (no command of
+    the sandbox's, for a timeout to kill): sleepers until a fork fails, which ends the
+    shell that forked (ash's rule), leaving its pid."""
+    fill = "while sleep 1000 & do :; done"
+    await asyncio.to_thread(container.exec_run, ["sh", "-c", fill], detach=True)
+
+    async def filled() -> bool:
+        args = await commands_running(container)
+        return "sleep 1000" in args and not any(fill in a for a in args)
+
+    await eventually(filled, timeout=60)
+
+
+async def take_last_pid(container) -> None:
+    """After `take_pids`: the last one too, by an engine exec, which joins past the limit."""
+    await asyncio.to_thread(container.exec_run, ["sleep", "1001"], detach=True)
+
+    async def taken() -> bool:
+        return "sleep 1001" in await commands_running(container)
+
+    await eventually(taken, timeout=10)
+
+
+async def commands_running(container) -> list[str]:
+    """What the container's processes run, seen by `docker top` (`ps` on the host: it
+    needs no pid of the container's)."""
+    return [p[-1] for p in (await asyncio.to_thread(container.top))["Processes"]]
+
+
 def process_of(pid: int, container_id: str) -> bool:
     """Whether process `pid` lives (not a zombie) in container `container_id`'s cgroup."""
     try:

@@ -20,7 +20,7 @@ import aiohttp
 import docker
 import pytest
 import pytest_asyncio
-from conftest import make_spec, started_pool
+from conftest import commands_running, make_spec, started_pool, take_last_pid, take_pids
 
 from agent.docker_driver import LABEL_SANDBOX
 from controlplane.config import default_templates
@@ -121,6 +121,22 @@ async def test_a_fork_bomb_hits_the_pids_limit(client, docker_client, neighbour)
         assert len(container_of(docker_client, sb.id).top()["Processes"]) <= BASE.pids_limit
         await assert_responsive(neighbour)
     await assert_responsive(neighbour)
+
+
+async def test_a_command_past_its_deadline_dies_though_the_sandbox_has_no_pid_left(
+    client, docker_client, neighbour
+):
+    """The kill needs no fork in the sandbox (before, the kill script's own forks failed
+    there, and the command ran on after its timeout)."""
+    async with client.sandbox() as sb:
+        container = container_of(docker_client, sb.id)
+        await take_pids(container)
+        await take_last_pid(container)
+        out = await sb.exec(["sleep", "300"], timeout=1)  # the engine's exec: no fork here
+        assert out.timed_out, out
+        running = await commands_running(container)
+        assert "sleep 300" not in running and "sleep 1001" in running, running
+        await assert_responsive(neighbour)
 
 
 async def test_a_memory_hog_is_oom_killed_within_its_limit(client, neighbour):

@@ -23,6 +23,8 @@ from conftest import (
     make_spec,
     pool_containers,
     started_pool,
+    take_last_pid,
+    take_pids,
 )
 from inprocess import inprocess_agent
 
@@ -169,23 +171,12 @@ async def test_a_sandbox_with_no_pid_left_runs_commands_through_the_engine(pool,
         async with c.sandbox() as sandbox:
             await loop_serving(sandbox)
             container = docker_client.containers.get(f"dsec-{sandbox.id}")
-            # From outside, so no command of the sandbox's is there to kill: sleepers
-            # until a fork fails, which ends the filler (ash's rule), so one pid is left.
-            fill = "while sleep 1000 & do :; done"
-            await asyncio.to_thread(container.exec_run, ["sh", "-c", fill], detach=True)
-
-            async def filled() -> bool:  # `docker top` runs `ps` on the host: no pid here
-                args = [p[-1] for p in (await asyncio.to_thread(container.top))["Processes"]]
-                return "sleep 1000" in args and not any(fill in a for a in args)
-
-            await eventually(filled, timeout=60)
+            await take_pids(container)
             # the loop forks a subshell with the last pid, whose fork of the copy fails
             out = await sandbox.exec(events, timeout=20)
             assert not out.timed_out and out.exit_code == 0, out
             assert out.stdout.split()[:2] == ["0", "max"], out  # parent outside: the engine
-            # the last pid taken too (an engine exec joins past the limit): the loop's own
-            # fork fails, which ends it
-            await asyncio.to_thread(container.exec_run, ["sleep", "1000"], detach=True)
+            await take_last_pid(container)  # the loop's own fork fails, which ends it
             out = await sandbox.exec(events, timeout=20)
             assert not out.timed_out and out.stdout.split()[:2] == ["0", "max"], out
             assert (await sandbox.exec(["echo", "still"])).stdout == "still\n"
