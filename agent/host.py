@@ -318,8 +318,11 @@ async def kill_command_from_host(init_pid: int, container_id: str, marker_entry:
 
     def command(pids: set[int]) -> set[int]:
         marked = {p for p in pids if _carries(p, marker_entry)}
-        groups = {g for p in marked if (g := _own_group(p)) is not None}
-        return (marked | {p for p in pids if groups and _own_group(p) in groups}) - {init_pid}
+        if not marked:
+            return set()
+        group_of = {p: _own_group(p) for p in pids}  # each process's status read once
+        groups = {group_of[p] for p in marked} - {None}
+        return (marked | {p for p in pids if group_of[p] in groups}) - {init_pid}
 
     try:
         return await sandbox.kill_chosen(command)
