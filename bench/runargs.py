@@ -41,12 +41,12 @@ def load_run(args: argparse.Namespace) -> tuple[list[Episode], Profile | None]:
     return episodes, Profile.load(args.profile) if args.profile else None
 
 
-def measure_profile(args: argparse.Namespace) -> Profile:
+def measure_profile(args: argparse.Namespace, name: str = "profile.json") -> Profile:
     """--calibrate's profile, measured on this machine's engine now and saved in --out
-    as profile.json; bench.calibrate.CALIBRATE_ERRORS when the engine fails."""
+    as `name`; bench.calibrate.CALIBRATE_ERRORS when the engine fails."""
     from bench.calibrate import calibrate  # the Docker SDK: only for commands that run live
 
     profile = calibrate(args.calibrate_samples, args.nodes)
     args.out.mkdir(parents=True, exist_ok=True)
-    profile.save(args.out / "profile.json")
+    profile.save(args.out / name)
     return profile
