@@ -28,7 +28,7 @@ import time
 import docker
 
 from agent.docker_driver import LABEL_SANDBOX
-from bench.soak import Teardown, bench_spec, local_pool, run_to_report
+from bench.soak import Teardown, bench_spec, cpu_ns, local_pool, run_to_report
 from bench.stats import summary_ms
 from controlplane.config import default_templates
 from dsec.cli import format_table
@@ -36,12 +36,6 @@ from dsec.client import Client, Sandbox
 from dsec.models import PoolParams
 
 SETTLE_S = 1.0  # after the burners start, before sampling: they are all running by then
-# the sandbox's CPU time in ns: cgroup v1 (cpuacct, mounted alone or with cpu), else v2
-CPU_USAGE_NS = (
-    "cat /sys/fs/cgroup/cpuacct/cpuacct.usage 2>/dev/null"
-    " || cat /sys/fs/cgroup/cpu,cpuacct/cpuacct.usage 2>/dev/null"
-    " || awk '/^usage_usec/ {printf \"%d\\n\", $2 * 1000}' /sys/fs/cgroup/cpu.stat"
-)
 
 
 def burn_cmd(burners: int) -> list[str]:
@@ -62,10 +56,6 @@ async def checked(sb: Sandbox, cmd: list[str], expect: str | None = None) -> str
             f"{result.stdout[:200]!r} {result.stderr[:200]!r}"
         )
     return result.stdout
-
-
-async def cpu_ns(sb: Sandbox) -> int:
-    return int((await checked(sb, ["sh", "-c", CPU_USAGE_NS])).strip())
 
 
 async def neighbour_execs(neighbour: Sandbox, samples: int, steps: int) -> list[float]:

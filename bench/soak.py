@@ -94,6 +94,12 @@ DRAIN_TIMEOUT_S = 180.0
 SAMPLE_EVERY_S = 1.0
 ACQUIRE_TIMEOUT_S = 120.0
 QUIET_S = 2.0  # after a drain, for closed connections and ended tasks to be let go
+# the sandbox's CPU time in ns: cgroup v1 (cpuacct, mounted alone or with cpu), else v2
+CPU_USAGE_NS = (
+    "cat /sys/fs/cgroup/cpuacct/cpuacct.usage 2>/dev/null"
+    " || cat /sys/fs/cgroup/cpu,cpuacct/cpuacct.usage 2>/dev/null"
+    " || awk '/^usage_usec/ {printf \"%d\\n\", $2 * 1000}' /sys/fs/cgroup/cpu.stat"
+)
 
 # Warm sandboxes past the target are paused at once, and paused ones destroyed at
 # once (before they could hibernate): the policy itself empties the pool.
@@ -458,8 +464,7 @@ async def shell_out(sb: Sandbox, script: str, timeout: float = 30.0) -> str:
 
 
 async def cpu_ns(sb: Sandbox) -> int:
-    from bench.neighbour import CPU_USAGE_NS  # here: bench.neighbour imports this module
-
+    """The sandbox's CPU time so far, in ns."""
     return int((await shell_out(sb, CPU_USAGE_NS)).strip())
 
 
