@@ -63,6 +63,9 @@ class Identities:
     def __init__(self, key: str, join_token: str) -> None:
         self._key = key
         self.join_token = join_token
+        # node -> its lease key, worked out once: every acquire and release asks (two
+        # HMACs each time), and the key never changes for the life of this object
+        self._lease_keys: dict[str, str] = {}
 
     @classmethod
     def of(cls, config: ControlPlaneConfig) -> Identities:
@@ -75,7 +78,10 @@ class Identities:
         return derive(self._key, "call token", node_id)
 
     def lease_key(self, node_id: str) -> str:
-        return derive(self._key, "lease key", node_id)
+        key = self._lease_keys.get(node_id)
+        if key is None:
+            key = self._lease_keys[node_id] = derive(self._key, "lease key", node_id)
+        return key
 
     def issue(self, node_id: str) -> NodeIdentity:
         return NodeIdentity(
