@@ -208,7 +208,7 @@ class Leases:
     def lease_of(self, entry: SandboxEntry, path: str, schedule_ms: float) -> Lease:
         assert entry.lease_id is not None
         return Lease(
-            **self.info_of(entry).model_dump(exclude={"lease_id"}),
+            **self._info_fields(entry),
             lease_id=entry.lease_id,
             lease_token=self.token_of(entry),
             path=path,
@@ -247,18 +247,22 @@ class Leases:
         return lease_token_expiry(key, proof, entry.id, lease_id, owner) is not None
 
     def info_of(self, entry: SandboxEntry) -> SandboxInfo:
+        return SandboxInfo(**self._info_fields(entry), lease_id=entry.lease_id)
+
+    def _info_fields(self, entry: SandboxEntry) -> dict[str, object]:
+        """What SandboxInfo and Lease say of `entry`, but its lease id (a Lease is made
+        from these at every acquire, not through a SandboxInfo and a dump of it)."""
         node = self.view.nodes.get(entry.node)
-        return SandboxInfo(
-            id=entry.id,
-            node=entry.node,
-            agent_url=node.url if node else "",
-            pool=entry.pool,
-            template=entry.template,
-            state=entry.state,
-            created_at=entry.created_at,
-            lease_id=entry.lease_id,
-            labels=entry.labels,
-        )
+        return {
+            "id": entry.id,
+            "node": entry.node,
+            "agent_url": node.url if node else "",
+            "pool": entry.pool,
+            "template": entry.template,
+            "state": entry.state,
+            "created_at": entry.created_at,
+            "labels": entry.labels,
+        }
 
     async def acquire(self, body: AcquireRequest, owner: str | None = None) -> Lease:
         """`owner` is the client asking (dsec.tokens.client_id of its token); None for a
