@@ -44,6 +44,7 @@ from dsec.policy import (
     TemplateSnap,
     Unplaceable,
 )
+from dsec.states import SandboxState
 
 log = logging.getLogger(__name__)
 
@@ -184,7 +185,9 @@ class Scheduler:
             idle_since = entry.idle_since
             if idle_since is None:  # a command runs: neither idle nor lapsed
                 return False
-            if now - idle_since >= freeze_s:
+            # a frozen lease is not due for a freeze again: left out until it may expire
+            # (otherwise every frozen lease would be in every look's snapshot)
+            if now - idle_since >= freeze_s and entry.state == SandboxState.LEASED:
                 return True
             active_at = max(idle_since, entry.renewed_at or idle_since)
             return timeout is not None and now - active_at >= timeout
