@@ -23,7 +23,6 @@ as live (`bench.sim_scale --tick-on-every-event` compares the two).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
 
@@ -46,7 +45,11 @@ class Ticks:
         self.period_s = scheduler.config.tick_s
         self.gap_s = scheduler.config.min_tick_gap_s
         self.due_at = math.inf  # the next tick, as the events so far want it
-        self._sooner = asyncio.Event()  # due_at moved earlier
+        # while the loop waits for the next tick: done when due_at moves earlier, or by
+        # the timer at the time it waits for (a future and a timer, not an Event under
+        # asyncio.timeout: that costs an exception at every tick the period brings)
+        self._sooner: asyncio.Future[None] | None = None
+        self._timer: asyncio.TimerHandle | None = None
         scheduler.wakeup = self  # type: ignore[assignment]  # Scheduler.wake sets it
 
     # --- what the control plane calls on its wake-up event ----------------------------
@@ -79,7 +82,15 @@ class Ticks:
         at = loop.time() + seconds
         if at < self.due_at:
             self.due_at = at
-            self._sooner.set()
+            self._wake()
+
+    def _wake(self) -> None:
+        if self._sooner is not None and not self._sooner.done():
+            self._sooner.set_result(None)
+
+    def _on_timer(self) -> None:
+        self._timer = None  # it ran: nothing to cancel
+        self._wake()
 
     def _waited_share(self, request: PendingRequest) -> float:
         return self.share * (asyncio.get_running_loop().time() - request.arrived_at)
@@ -106,7 +117,11 @@ class Ticks:
                 at = max(min(self.due_at, ticked_at + self.period_s), ticked_at + self.gap_s)
                 if loop.time() >= at:
                     break
-                self._sooner.clear()
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout_at(at):
-                        await self._sooner.wait()
+                self._sooner = loop.create_future()
+                self._timer = loop.call_at(at, self._on_timer)
+                try:
+                    await self._sooner
+                finally:
+                    if self._timer is not None:
+                        self._timer.cancel()
+                        self._timer = None
