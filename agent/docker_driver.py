@@ -33,6 +33,10 @@ T = TypeVar("T")
 STDOUT, STDERR = 1, 2
 TIMEOUT_EXIT_CODE = 124  # what coreutils' timeout(1) returns, so scripts read it the same way
 RUNC_STOPPED = b"cannot exec in a stopped state"  # runc's answer to an exec in a dead container
+# runc's answer when its init process died before the command could start: its own
+# threads and forks count against the sandbox's pids limit, so at the limit it sometimes
+# cannot make them (how many it needs depends on its Go runtime's timing)
+RUNC_INIT_DIED = b"read init-p"
 # A sandbox's container log (what its main process writes) is capped: one file of 1 MiB,
 # the oldest output dropped, so no sandbox can fill the host's disk through it.
 LOG_MAX_SIZE = "1m"
@@ -140,9 +144,16 @@ class Process:
 
     def __init__(self, docker: AsyncDocker, exec_: Exec, stream: Stream, tty: bool) -> None:
         self.docker, self.exec, self.stream, self.tty = docker, exec_, stream, tty
+        self._ahead: asyncio.Future[tuple[int, bytes] | None] | None = None
 
     async def read(self) -> tuple[int, bytes] | None:
         """The next chunk (STDOUT or STDERR, data), None at the end of the output."""
+        if self._ahead is not None:
+            ahead, self._ahead = self._ahead, None
+            return await ahead
+        return await self._read()
+
+    async def _read(self) -> tuple[int, bytes] | None:
         try:
             msg = await self.stream.read_out()
         except (aiohttp.ClientError, OSError, RuntimeError):
@@ -168,12 +179,27 @@ class Process:
     async def resize(self, rows: int, cols: int) -> None:
         await self.docker.call("exec_resize", lambda: self.exec.resize(h=rows, w=cols))
 
+    async def first_within(self, seconds: float) -> tuple[int, bytes] | None | bool:
+        """The first chunk, if it comes (or the output ends: None) within `seconds`;
+        False if not yet. Either way the next read returns it: it is only looked at."""
+        self._ahead = asyncio.ensure_future(self._read())
+        done, _ = await asyncio.wait({self._ahead}, timeout=seconds)
+        return self._ahead.result() if done else False
+
     async def exit_code(self) -> int | None:
         """None while it runs (or when it never ended: a timeout cut it)."""
         info = await self.docker.call("exec_inspect", self.exec.inspect)
         return None if info.get("Running") else info.get("ExitCode")
 
+    async def never_started(self) -> bool:
+        """Whether it ended without the engine ever running its process (no pid): runc
+        could not start it, and nothing of the command ran."""
+        info = await self.docker.call("exec_inspect", self.exec.inspect)
+        return not info.get("Running") and not info.get("Pid")
+
     async def close(self) -> None:
+        if self._ahead is not None:  # a first chunk looked for and never read
+            self._ahead.cancel()
         with contextlib.suppress(aiohttp.ClientError, OSError, RuntimeError):
             await self.stream.close()
 

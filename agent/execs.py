@@ -27,7 +27,14 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from agent.audit import AuditRecord, quoted_cmd
-from agent.docker_driver import RUNC_STOPPED, STDOUT, TIMEOUT_EXIT_CODE, DockerOpError
+from agent.docker_driver import (
+    RUNC_INIT_DIED,
+    RUNC_STOPPED,
+    STDOUT,
+    TIMEOUT_EXIT_CODE,
+    DockerOpError,
+    Process,
+)
 from agent.engine import Work
 from agent.host import Unavailable, kill_command_from_host
 from agent.resident import RunningCommand
@@ -55,6 +62,9 @@ true
 KILL_TIMEOUT_S = 5.0  # a kill that takes longer: the stream is cut all the same
 DRAIN_AFTER_KILL_S = 2.0  # output of a killed command still in flight
 EXIT_CODE_TRIES = 20  # the output can end a moment before the engine records the exit
+ENGINE_START_TRIES = 3  # an engine exec whose runc init died (see _engine_start)
+RUNC_ANSWERS_WITHIN_S = 0.5  # runc's own failure to start comes this soon, or not at all
+ENGINE_RESTART_AFTER_S = 0.1  # before the next try, times the tries so far
 
 Sink = Callable[[int, bytes], Awaitable[None]]
 
@@ -274,16 +284,14 @@ class Execs:
             await sandbox.loop_started()
             proc = await agent.resident.start(sandbox, req.cmd, env, workdir)
         if proc is None:
+            how = {"user": sandbox.spec.user, "env": env, "workdir": req.workdir}
             try:
-                proc = await agent.docker.start(
-                    cid,
-                    req.cmd,
-                    user=sandbox.spec.user,
-                    env=env,
-                    workdir=req.workdir,
-                    stdin=stdin,
-                    tty=attach is not None and attach.tty,
-                )
+                if stdin:  # the client's input may be what its first output waits for
+                    proc = await agent.docker.start(
+                        cid, req.cmd, stdin=True, tty=attach is not None and attach.tty, **how
+                    )
+                else:
+                    proc = await self._engine_start(cid, req.cmd, **how)
             except DockerOpError as e:
                 raise await self._failure(sandbox, e) from e
         started = agent.clock.now()  # the deadline counts from here
@@ -339,6 +347,24 @@ class Execs:
             duration_ms=(agent.clock.now() - started) * 1000,
             sent=sent,
         )
+
+    async def _engine_start(self, container_id: str, argv: list[str], **how) -> Process:
+        """The command through the engine's exec. A sandbox at its pids limit can make
+        runc's init die before the command starts (RUNC_INIT_DIED); such a start is made
+        again, a few times, while the engine says it ran no process: the command never
+        ran, so it never runs twice. The last try's answer, whatever it is, is the
+        command's."""
+        docker = self.agent.docker
+        for tries in range(1, ENGINE_START_TRIES):
+            proc = await docker.start(container_id, argv, **how)
+            first = await proc.first_within(RUNC_ANSWERS_WITHIN_S)
+            died = bool(first) and first[0] == STDOUT and RUNC_INIT_DIED in first[1]
+            if not (died and await proc.never_started()):
+                return proc
+            await proc.read()  # the failure's message, looked at: taken
+            await proc.close()
+            await self.agent.clock.sleep(ENGINE_RESTART_AFTER_S * tries)
+        return await docker.start(container_id, argv, **how)
 
     async def _exit_code(self, proc: RunningCommand) -> int:
         for _ in range(EXIT_CODE_TRIES):

@@ -161,6 +161,19 @@ async def test_a_killed_loop_leaves_commands_to_the_engine_and_comes_back(sb):
     await loop_serving(sb)  # started again, at most every agent.resident.RESTART_AFTER_S
 
 
+async def test_an_engine_exec_that_ran_is_not_started_again_whatever_it_says(sb):
+    """The agent starts an engine exec again when runc's init died before the command
+    ran (a sandbox at its pids limit); a command that ran and printed runc's words, with
+    runc's exit code, ran once all the same."""
+    runc_says = "OCI runtime exec failed: unable to start container process: read init-p: x"
+    mimic = ["sh", "-c", f"echo $PPID >> /tmp/ran; echo '{runc_says}'; exit 126"]
+    assert (await sb.exec(KILL_LOOP, timeout=10)).exit_code == 0
+    out = await sb.exec(mimic, timeout=10)
+    assert (out.exit_code, out.stdout) == (126, runc_says + "\n"), out
+    assert (await sb.exec(["cat", "/tmp/ran"])).stdout == "0\n"  # once, by the engine
+    await loop_serving(sb)
+
+
 async def test_a_sandbox_with_no_pid_left_runs_commands_through_the_engine(pool, docker_client):
     """A fork inside the sandbox fails at its pids limit, so the loop cannot start a
     command: it says so, or its own failed fork ends it, and the command takes the
