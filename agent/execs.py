@@ -283,6 +283,9 @@ class Execs:
             # rather than an engine exec of its own
             await sandbox.loop_started()
             proc = await agent.resident.start(sandbox, req.cmd, env, workdir)
+        # the deadline counts from here: an engine start's look at runc's first answer
+        # (_engine_start) is time the command already runs
+        started = agent.clock.now()
         if proc is None:
             how = {"user": sandbox.spec.user, "env": env, "workdir": req.workdir}
             try:
@@ -294,7 +297,6 @@ class Execs:
                     proc = await self._engine_start(cid, req.cmd, **how)
             except DockerOpError as e:
                 raise await self._failure(sandbox, e) from e
-        started = agent.clock.now()  # the deadline counts from here
         sent = {1: 0, 2: 0}
         first: list[bytes] = []  # the start of stdout, to tell runc's own error apart
         truncated = False
@@ -321,7 +323,7 @@ class Execs:
                 if on_started is not None:
                     on_started(proc)
             try:
-                async with asyncio.timeout(req.timeout_s):
+                async with asyncio.timeout(req.timeout_s - (agent.clock.now() - started)):
                     await pump()
             except TimeoutError:
                 timed_out = True
