@@ -143,7 +143,7 @@ async def get_node(request: web.Request) -> web.Response:
 async def exec_in_sandbox(request: web.Request) -> web.Response:
     agent = _agent(request)
     sandbox_id, token = sandbox_id_param(request), bearer_token(request)
-    agent.execs.authorize(sandbox_id, token)  # before the body: a stranger's is never parsed
+    await agent.execs.hold(sandbox_id, token)  # before the body: a stranger's is never parsed
     req = await read_model(request, ExecRequest)
     result = await agent.execs.run(sandbox_id, token, req, request.remote)
     return model_response(result)
@@ -154,7 +154,7 @@ async def exec_stream(request: web.Request) -> web.StreamResponse:
     stdin, a terminal. What can be refused is refused before the upgrade, as HTTP."""
     agent = _agent(request)
     sandbox_id, token = sandbox_id_param(request), bearer_token(request)
-    sandbox, _ = agent.execs.authorize(sandbox_id, token)
+    sandbox, _ = await agent.execs.hold(sandbox_id, token)
     agent.execs.admit(sandbox)
     ws = web.WebSocketResponse(max_msg_size=STDIN_FRAME_BYTES, heartbeat=WS_HEARTBEAT_S)
     await ws.prepare(request)
@@ -236,10 +236,10 @@ async def _ws_error(ws: web.WebSocketResponse, e: ApiError) -> None:
         )
 
 
-def _file_target(request: web.Request) -> tuple[Agent, Sandbox, str, str]:
+async def _file_target(request: web.Request) -> tuple[Agent, Sandbox, str, str]:
     """The agent, the sandbox the lease token holds, its lease and the checked path."""
     agent = _agent(request)
-    sandbox, lease_id = agent.execs.authorize(sandbox_id_param(request), bearer_token(request))
+    sandbox, lease_id = await agent.execs.hold(sandbox_id_param(request), bearer_token(request))
     path = checked_path(request.query.get("path"), agent.files.roots(sandbox))
     return agent, sandbox, lease_id, path
 
@@ -253,7 +253,7 @@ def _fits(request: web.Request, sandbox: Sandbox, path: str) -> None:
 
 
 async def put_file(request: web.Request) -> web.Response:
-    agent, sandbox, lease_id, path = _file_target(request)
+    agent, sandbox, lease_id, path = await _file_target(request)
     mode = request.query.get("mode", "")
     if mode and not (mode.isdigit() and 0 <= int(mode) <= 0o7777):
         raise ApiError(400, "invalid_mode", f"mode is the permission bits as a number: {mode!r}")
@@ -273,7 +273,7 @@ async def get_tar(request: web.Request) -> web.StreamResponse:
 
 
 async def _send_stream(request: web.Request, op: str, content_type: str) -> web.StreamResponse:
-    agent, sandbox, lease_id, path = _file_target(request)
+    agent, sandbox, lease_id, path = await _file_target(request)
     async with agent.execs.running_in(sandbox, lease_id):
         chunks = await agent.files.stream_out(sandbox, op, path)
         resp = web.StreamResponse(headers={"Content-Type": content_type})
@@ -285,7 +285,7 @@ async def _send_stream(request: web.Request, op: str, content_type: str) -> web.
 
 
 async def put_tar(request: web.Request) -> web.Response:
-    agent, sandbox, lease_id, path = _file_target(request)
+    agent, sandbox, lease_id, path = await _file_target(request)
     _fits(request, sandbox, path)
     async with agent.execs.running_in(sandbox, lease_id):
         chunks = body_chunks(request, FILE_CHUNK)
@@ -294,13 +294,13 @@ async def put_tar(request: web.Request) -> web.Response:
 
 
 async def list_files(request: web.Request) -> web.Response:
-    agent, sandbox, lease_id, path = _file_target(request)
+    agent, sandbox, lease_id, path = await _file_target(request)
     async with agent.execs.running_in(sandbox, lease_id):
         return model_response(await agent.files.listing(sandbox, path))
 
 
 async def remove_file(request: web.Request) -> web.Response:
-    agent, sandbox, lease_id, path = _file_target(request)
+    agent, sandbox, lease_id, path = await _file_target(request)
     async with agent.execs.running_in(sandbox, lease_id):
         await agent.files.remove(sandbox, path)
     return model_response(FileRemoved(path=path))

@@ -41,7 +41,7 @@ from agent.resident import RunningCommand
 from agent.sandboxes import Sandbox
 from dsec.httpkit import ApiError, CredentialRefused
 from dsec.models import ExecExit, ExecRequest, ExecResult, ExecStreamRequest
-from dsec.tokens import lease_token_expiry
+from dsec.tokens import LeaseClaim, lease_token_claim, lease_token_expiry
 
 if TYPE_CHECKING:
     from agent.node import Agent
@@ -98,6 +98,26 @@ class Execs:
     def __init__(self, agent: Agent) -> None:
         self.agent = agent
         self.running = 0  # commands under way on this node
+
+    async def hold(self, sandbox_id: str, token: str | None) -> tuple[Sandbox, str]:
+        """`authorize`, once the lease `token` proves by itself is taken up: the control
+        plane answers a warm acquire before this node hears of the lease, and the
+        client's first call may come before the control plane's grant."""
+        sandbox = self.agent.get(sandbox_id)
+        if sandbox.record.lease_id is None and (claim := self._claim(sandbox, token)):
+            await self.agent.adopt(sandbox, claim)
+        return self.authorize(sandbox_id, token)
+
+    def _claim(self, sandbox: Sandbox, token: str | None) -> LeaseClaim | None:
+        """The lease `token` proves on `sandbox`, if it may take it up (unexpired, not
+        one the sandbox had before); None leaves the refusal to `authorize`."""
+        agent = self.agent
+        if token is None or agent.identity is None:
+            return None
+        claim = lease_token_claim(agent.identity.lease_key, token, sandbox.id)
+        if claim is None or claim.expires_at <= agent.clock.wall():
+            return None
+        return claim if agent.may_adopt(sandbox, claim) else None
 
     def authorize(self, sandbox_id: str, token: str | None) -> tuple[Sandbox, str]:
         """The sandbox and its lease, if `token` holds that lease (files use it too)."""
@@ -227,7 +247,7 @@ class Execs:
         attach: ExecStreamRequest | None = None,
     ) -> Outcome:
         agent = self.agent
-        sandbox, lease_id = self.authorize(sandbox_id, token)
+        sandbox, lease_id = await self.hold(sandbox_id, token)
         self.admit(sandbox)
         asked = agent.clock.now()
         cmd, cmd_truncated = quoted_cmd(req.cmd)

@@ -59,6 +59,7 @@ from dsec.states import (
     THAWED_FROM,
     SandboxState,
 )
+from dsec.tokens import LeaseClaim
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -241,8 +242,18 @@ class Agent:
     async def lease(self, sandbox_id: str, grant: LeaseGrant) -> Sandbox:
         sandbox = self.get(sandbox_id)
         async with sandbox.lock:
-            if sandbox.record.lease_id == grant.lease_id:
-                return sandbox  # a retry of the same grant
+            record = sandbox.record
+            if record.lease_id == grant.lease_id:
+                # a retry of the same grant, or the lease was taken up from its token first
+                if (record.pool, record.idempotency_key, record.labels) != (
+                    grant.pool,
+                    grant.idempotency_key,
+                    grant.labels,
+                ):
+                    record.pool, record.idempotency_key = grant.pool, grant.idempotency_key
+                    record.labels = dict(grant.labels)
+                    await self.store.put(record)
+                return sandbox
             # while the engine is away its containers may be dead: hand none out
             self.require_engine()
             # (leased with no lease id: a reset ended its lease, and failed: it goes)
@@ -263,6 +274,32 @@ class Agent:
             sandbox.move(SandboxState.LEASED)
             sandbox.last_active = self.clock.now()
             return sandbox
+
+    def may_adopt(self, sandbox: Sandbox, claim: LeaseClaim) -> bool:
+        """Whether a lease token's own claim may take up `sandbox`: it is warm, with no
+        lease, and that lease is not one it had before (a token of a lease that ended
+        never takes back the recycled sandbox)."""
+        return (
+            sandbox.state == SandboxState.WARM
+            and sandbox.record.lease_id is None
+            and claim.lease_id not in sandbox.record.ended_leases
+        )
+
+    async def adopt(self, sandbox: Sandbox, claim: LeaseClaim) -> None:
+        """Take up the lease a token proves (Execs.hold) before the control plane's grant
+        for it arrives: the control plane answers a warm acquire without waiting for this
+        node, so the client's first command may come first. The grant then finds the
+        lease held and adds its pool, key and labels."""
+        async with sandbox.lock:
+            if sandbox.record.lease_id == claim.lease_id:
+                return  # the grant, or another command, took it up meanwhile
+            if not self.may_adopt(sandbox, claim):
+                return  # the caller's authorize says why not
+            self.require_engine()
+            sandbox.record.lease_id, sandbox.record.owner = claim.lease_id, claim.owner
+            await self.store.put(sandbox.record)
+            sandbox.move(SandboxState.LEASED)
+            sandbox.last_active = self.clock.now()
 
     async def pause(self, sandbox_id: str) -> Sandbox:
         sandbox = self.get(sandbox_id)
@@ -439,6 +476,7 @@ class Agent:
             else:
                 record.owner = record.idempotency_key = None
                 record.labels = {}
+                record.ended_leases.append(req.lease_id)
                 await self.store.put(record)
                 sandbox.move(SandboxState.WARM)
                 sandbox.reset_from = req.lease_id

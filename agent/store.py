@@ -44,6 +44,9 @@ class SandboxRecord:
     idempotency_key: str | None = None
     owner: str | None = None  # the client holding the lease
     labels: dict[str, str] = field(default_factory=dict)
+    # leases this sandbox had that ended while it lived on (recycled): their tokens never
+    # take it up again (Agent.adopt); one lease id per recycle
+    ended_leases: list[str] = field(default_factory=list)
     # set while hibernated: the committed image and the archive of the work dir
     hibernated_image: str | None = None
     archive_path: str | None = None

@@ -86,6 +86,10 @@ class Leases:
         if req is None or entry is None or req.done.done():
             return
         log.debug("claim %s for %s (%s): %s", entry.id, req.id, action.path, action.reason)
+        # A running sandbox is served at once: its lease token proves the lease to its
+        # agent, which takes it up from the client's first call if the grant is not
+        # there yet (dsec/tokens.py). A frozen one waits for its agent to thaw it.
+        at_once = entry.state == SandboxState.WARM
         self.view.move(entry, SandboxState.LEASED, now)
         self.view.set_pool(entry, req.pool)  # a higher-priority pool may have taken it over
         entry.frozen_at = None
@@ -112,15 +116,33 @@ class Leases:
         async def run() -> None:
             if req.scoped_key:  # on disk first: a restart mid-call still knows the key's
                 await self.held_keys.add(req.scoped_key, entry.id)
+            served = at_once and not req.done.done()
+            if served:
+                self._serve(entry, req, action.path, self.clock.now())
             result = await self.actuator.call(entry, self.actuator.agents.lease, entry.id, grant)
-            self._on_leased(entry, req, action.path, result)
+            self._on_leased(entry, req, action.path, result, served)
 
         self.actuator.spawn(entry, run())
 
     def _on_leased(
-        self, entry: SandboxEntry, req: PendingRequest, path: str, result: CallResult
+        self,
+        entry: SandboxEntry,
+        req: PendingRequest,
+        path: str,
+        result: CallResult,
+        served: bool,
     ) -> None:
+        """The agent's answer to the grant; `served` says whether its client has the
+        lease already (a running sandbox is served before the agent answers)."""
         now = self.clock.now()
+        if served:
+            if result.ok:
+                self.actuator.confirmed(entry, now)
+            else:  # its client holds a lease the node refused: it ends, and it is told why
+                entry.op_in_flight = False
+                self.actuator.failed(entry, "lease", result)
+                self.expire(ExpireLease(entry.id, f"its node refused it ({result.code})"), now)
+            return
         if req.scoped_key and (not result.ok or req.done.done()):
             # the key holds nothing after all (the sandbox goes below)
             self.actuator.track(asyncio.ensure_future(self.held_keys.drop(req.scoped_key)))
@@ -135,6 +157,10 @@ class Leases:
         if req.done.done():  # its client gave up while the lease was being made
             self.actuator.destroy(entry, now, "destroy")
             return
+        self._serve(entry, req, path, now)
+
+    def _serve(self, entry: SandboxEntry, req: PendingRequest, path: str, now: float) -> None:
+        """Answer `req` with the lease on `entry`."""
         self.queues.remove(req)
         self._unreserve(req)
         if req.scoped_key:
@@ -145,9 +171,9 @@ class Leases:
         req.done.set_result(self.lease_of(entry, path, schedule_s * 1000))
 
     def expire(self, action: ExpireLease, now: float) -> None:
-        """End a lease its client let lapse: its key is spent (a retry gets 409, not a
-        second sandbox), the sandbox goes, and its client hears 410 lease_expired, from
-        here and from the agent."""
+        """End a lease its client let lapse (or its node refused after it was served):
+        its key is spent (a retry gets 409, not a second sandbox), the sandbox goes, and
+        its client hears 410 lease_expired, from here and from the agent."""
         entry = self.view.sandboxes.get(action.sandbox_id)
         if entry is None or entry.state not in ASSIGNED or entry.lease_id is None:
             return  # released or gone meanwhile
@@ -410,10 +436,18 @@ class Leases:
                 # the client left after its lease was made: give the sandbox back
                 entry = self.view.sandboxes.get(req.done.result().id)
                 if entry is not None:
-                    self.actuator.destroy(entry, self.clock.now(), "destroy")
+                    self.actuator.track(asyncio.ensure_future(self._give_back(entry)))
             raise
         finally:
             req.waiters -= 1
+
+    async def _give_back(self, entry: SandboxEntry) -> None:
+        """Remove a sandbox whose lease no one took, once its agent has answered the
+        grant (a running sandbox's lease is answered while the grant is under way)."""
+        while (in_flight := self.actuator.in_flight(entry.id)) is not None:
+            await asyncio.shield(in_flight)
+        if entry.state in ASSIGNED:
+            self.actuator.destroy(entry, self.clock.now(), "destroy")
 
     def _abandon(self, req: PendingRequest, outcome: str) -> None:
         self.metrics.acquires.labels(req.pool, outcome).inc()

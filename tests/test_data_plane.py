@@ -22,6 +22,9 @@ from conftest import eventually, make_spec, started_pool
 from agent.docker_driver import KEEPER_USER, LABEL_SANDBOX
 from dsec.cli.up import LocalPool
 from dsec.client import Client, Sandbox
+from dsec.models import SandboxInfo
+from dsec.states import SandboxState
+from dsec.tokens import NO_EXPIRY, lease_token, new_lease_id
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -54,8 +57,12 @@ def url(sb: Sandbox, route: str) -> str:
     return f"{sb.lease.agent_url}/v1/sandboxes/{sb.id}/{route}"
 
 
+def bearer(token: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"}
+
+
 def auth(sb: Sandbox) -> dict[str, str]:
-    return {"Authorization": f"Bearer {sb.lease.lease_token}"}
+    return bearer(sb.lease.lease_token)
 
 
 async def run(http: aiohttp.ClientSession, sb: Sandbox, cmd: list[str], **fields) -> dict:
@@ -89,6 +96,38 @@ async def stream(
 
 
 # --- one-shot commands ---------------------------------------------------------------
+
+
+async def test_a_warm_sandbox_runs_the_first_command_of_a_lease_before_its_grant(pool, http):
+    """The control plane answers a warm acquire before the agent hears of the lease: its
+    token proves the lease by itself, so a first command that comes before the grant
+    runs. Here no grant comes: the token is made with the node's lease key, as the
+    control plane makes it. Another lease's token is refused once it is taken up."""
+    assert pool.identities is not None
+    async with Client(pool.url, token=pool.tokens.admin) as operator:
+
+        async def a_warm_one() -> SandboxInfo | None:
+            warm = [s for s in await operator.list() if s.state == SandboxState.WARM]
+            return warm[0] if warm else None
+
+        warm = await eventually(a_warm_one, "a warm sandbox")
+        lease_key = pool.identities.lease_key(warm.node)
+        token = lease_token(lease_key, warm.id, new_lease_id(), None, NO_EXPIRY)
+        exec_url = f"{warm.agent_url}/v1/sandboxes/{warm.id}/exec"
+        body = {"cmd": ["echo", "first"]}
+        async with http.post(exec_url, json=body, headers=bearer(token)) as resp:
+            answer = await resp.json()
+        assert resp.status == 200 and answer["exit_code"] == 0, answer
+        assert answer["stdout"] == "first\n"
+        other = lease_token(lease_key, warm.id, new_lease_id(), None, NO_EXPIRY)
+        async with http.post(exec_url, json=body, headers=bearer(other)) as resp:
+            assert resp.status == 403, await resp.text()
+
+        async def leased() -> bool:
+            return (await operator.get(warm.id)).state == SandboxState.LEASED
+
+        await eventually(leased, "the control plane learns the lease from the heartbeat")
+        await operator.release(warm.id)
 
 
 async def test_output_comes_back_byte_for_byte_in_base64_and_replaced_in_text(sb, http):

@@ -115,7 +115,9 @@ def test_a_small_trace_replayed_live_and_simulated_gives_both_figures(docker_cli
     assert not pool_containers(docker_client, spec.name + "-"), "the live pool is gone"
     for side in ("live", "sim"):
         figures = result[side]
-        assert 0 < figures["p50_ms"] <= figures["p95_ms"], side
+        # a warm acquire takes no virtual time (the claim answers it), only live time
+        assert 0 < figures["p50_ms"] if side == "live" else figures["p50_ms"] >= 0, side
+        assert figures["p50_ms"] <= figures["p95_ms"], side
         assert 0 < figures["utilisation"] < 1, side
     for name, error in result["relative_error"].items():
         assert error == relative_error(result["sim"][name], result["live"][name]), name

@@ -41,6 +41,7 @@ from dsec.httpkit import ApiError
 from dsec.image import BASE_IMAGE
 from dsec.models import (
     Capacity,
+    LeaseGrant,
     NodeIdentity,
     NodeReport,
     PoolParams,
@@ -53,8 +54,10 @@ from dsec.states import SandboxState
 from dsec.tokens import (
     LEASE_TOKEN_HEADER,
     NO_EXPIRY,
+    LeaseClaim,
     client_id,
     lease_token,
+    lease_token_claim,
     lease_token_expiry,
     new_lease_id,
     new_token,
@@ -352,7 +355,7 @@ async def test_a_lease_token_is_bound_to_its_sandbox_lease_client_and_expiry(tmp
             my_token,  # another sandbox's
             lease_token(key, theirs, my_lease, OTHER_OWNER, NO_EXPIRY),  # another lease's
             lease_token(key, theirs, their_lease, OWNER, NO_EXPIRY),  # another client's
-            f"{NO_EXPIRY - 1}.{my_token.split('.')[1]}",  # an expiry moved
+            f"{NO_EXPIRY - 1}.{my_token.split('.', 1)[1]}",  # an expiry moved
         ):
             assert await exec_status(a, theirs, forged) == (403, "forbidden"), forged
         assert a.agent.execs.authorize(mine, my_token)[1] == my_lease
@@ -373,8 +376,105 @@ def test_a_lease_token_round_trips_and_nothing_else_verifies():
     key = Identities(new_token(), new_token()).lease_key("n1")
     token = lease_token(key, "n1.00000000000000e1", "a" * 32, OWNER, 1_900_000_000)
     assert lease_token_expiry(key, token, "n1.00000000000000e1", "a" * 32, OWNER) == 1_900_000_000
-    for bad in ("", ".", "1900000000", "1900000000.", "x." + token.split(".")[1], "１." + token):
+    moved = "x." + token.split(".", 1)[1]
+    for bad in ("", ".", "1900000000", "1900000000.", moved, "１." + token):
         assert lease_token_expiry(key, bad, "n1.00000000000000e1", "a" * 32, OWNER) is None
+
+
+def test_a_lease_token_names_its_lease_and_only_its_node_makes_that_claim_good():
+    ids = Identities(new_token(), new_token())
+    key, sid, lease = ids.lease_key("n1"), "n1.00000000000000e1", "a" * 32
+    token = lease_token(key, sid, lease, OWNER, 1_900_000_000)
+    assert lease_token_claim(key, token, sid) == LeaseClaim(lease, OWNER, 1_900_000_000)
+    no_owner = lease_token(key, sid, lease, None, 5)
+    assert lease_token_claim(key, no_owner, sid) == LeaseClaim(lease, None, 5)
+    expiry, named_lease, owner, mac = token.split(".")
+    for bad in (
+        lease_token(ids.lease_key("n2"), sid, lease, OWNER, 1_900_000_000),  # another node's
+        lease_token(key, "n1.00000000000000e2", lease, OWNER, 1_900_000_000),  # sandbox's
+        f"{expiry}.{'b' * 32}.{owner}.{mac}",  # another lease named
+        f"{expiry}.{named_lease}.{OTHER_OWNER}.{mac}",  # another client named
+        f"{expiry}.{named_lease}..{mac}",  # no client named
+        f"{int(expiry) + 1}.{named_lease}.{owner}.{mac}",  # the expiry moved
+        f"{expiry}.{mac}",  # the older form names no lease
+        f"{token}.",
+        "",
+    ):
+        assert lease_token_claim(key, bad, sid) is None, bad
+    # the older form still proves the lease it is checked against
+    assert lease_token_expiry(key, f"{expiry}.{mac}", sid, lease, OWNER) == 1_900_000_000
+
+
+def warm_on(agent: Agent, sandbox_id: str, state: SandboxState = SandboxState.WARM) -> Sandbox:
+    """A sandbox with no lease and no container on `agent`."""
+    spec = TemplateSpec(name="base", image=BASE_IMAGE)
+    record = SandboxRecord(
+        id=sandbox_id,
+        container_id="c-" + sandbox_id,
+        pool="default",
+        template=spec.model_dump(),
+        created_at=0.0,
+    )
+    agent.sandboxes[sandbox_id] = sandbox = Sandbox(record, spec, state, 0.0)
+    return sandbox
+
+
+async def test_a_lease_token_takes_up_its_warm_sandbox_before_the_grant_which_completes_it(
+    tmp_path,
+):
+    """The control plane answers a warm acquire before the agent hears of the lease:
+    the client's first call, with the token, may come first."""
+    ids = Identities(new_token(), new_token())
+    async with inprocess_agent(tmp_path, identities=ids) as a:
+        sid, lease = "n1.00000000000000f1", new_lease_id()
+        sandbox = warm_on(a.agent, sid)
+        token = lease_token(ids.lease_key("n1"), sid, lease, OWNER, NO_EXPIRY)
+        assert await a.agent.execs.hold(sid, token) == (sandbox, lease)
+        assert sandbox.state == SandboxState.LEASED and sandbox.record.owner == OWNER
+        [stored] = await a.agent.store.all()  # kept: a restart finds the lease
+        assert (stored.lease_id, stored.owner) == (lease, OWNER)
+        assert await a.agent.execs.hold(sid, token) == (sandbox, lease)  # its next call
+        grant = LeaseGrant(lease_id=lease, pool="other", idempotency_key="k", owner=OWNER,
+                           labels={"run": "1"}, request_id="r1")  # fmt: skip
+        assert await a.agent.lease(sid, grant) is sandbox
+        [stored] = await a.agent.store.all()
+        for record in (sandbox.record, stored):
+            assert (record.lease_id, record.pool, record.idempotency_key, record.labels) == (
+                lease,
+                "other",
+                "k",
+                {"run": "1"},
+            )
+
+
+async def test_a_lease_token_takes_up_no_sandbox_but_the_one_it_was_made_for(tmp_path):
+    ids = Identities(new_token(), new_token())
+    key = ids.lease_key("n1")
+    async with inprocess_agent(tmp_path, identities=ids) as a:
+        mine, theirs = "n1.00000000000000f2", "n1.00000000000000f3"
+        lease = new_lease_id()
+        my_token = lease_token(key, mine, lease, OWNER, NO_EXPIRY)
+        warm_on(a.agent, theirs)
+        recycled = warm_on(a.agent, mine)
+        recycled.record.ended_leases.append(lease)  # that lease ended; the sandbox lives on
+        refused = {
+            mine: [my_token],  # a token of a lease it had before (it was recycled since)
+            theirs: [
+                my_token,  # another sandbox's
+                lease_token(ids.lease_key("n2"), theirs, lease, OWNER, NO_EXPIRY),  # node's
+                lease_token(key, theirs, lease, OWNER, int(time.time()) - 1),  # lapsed
+            ],
+        }
+        for sid, tokens in refused.items():
+            for token in tokens:
+                assert await exec_status(a, sid, token) == (409, "not_leased"), (sid, token)
+                assert a.agent.sandboxes[sid].state == SandboxState.WARM
+                assert a.agent.sandboxes[sid].record.lease_id is None
+        paused = warm_on(a.agent, "n1.00000000000000f4", SandboxState.PAUSED)
+        token = lease_token(key, paused.id, lease, OWNER, NO_EXPIRY)
+        assert await exec_status(a, paused.id, token) == (409, "not_leased")  # thawed by a grant
+        assert paused.state == SandboxState.PAUSED
+        assert not await a.agent.store.all()
 
 
 def test_the_control_plane_makes_lease_tokens_per_node_with_the_pools_max_lease():

@@ -72,6 +72,7 @@ def test_max_lease_ends_a_lease_however_often_it_is_renewed():
 
     async def scenario(h: Harness) -> None:
         lease = await h.acquire()
+        await h.granted(lease)
         entry = h.scheduler.view.sandboxes[lease.id]
         expires_in = h.scheduler.leases.renew(entry).expires_in_s
         assert expires_in == pytest.approx(min(50.0, IDLE_TIMEOUT_S), abs=1)
@@ -154,6 +155,7 @@ def test_a_retry_with_a_shorter_timeout_does_not_cancel_the_first_waiter():
         for node in h.agents.nodes.values():
             node.down = False
         lease = await first
+        await h.granted(lease)
         assert h.on_agents() == {lease.id: S.LEASED}
 
     Harness(nodes=1, pools={"default": COLD}).run(scenario)

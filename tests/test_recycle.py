@@ -104,6 +104,7 @@ def test_a_reset_that_fails_removes_the_sandbox_and_never_hands_it_out():
         assert h.metric("dsec_agent_call_errors_total", op="reset") == 1
         second = await h.acquire()
         assert second.id != first.id and second.path == "cold"
+        await h.granted(second)
         # never leased again: its only lease was the first
         leases = {c.sandbox_id for c in h.calls_of("lease")}
         assert leases == {first.id, second.id}
@@ -265,6 +266,8 @@ async def test_the_agent_resets_a_lease_into_a_warm_sandbox_and_a_retry_finds_it
     assert docker.calls == ["unpause", "reset"]  # thawed first
     [stored] = await agent.store.all()
     assert stored.lease_id is None and stored.owner is None
+    # kept with it: that lease's token never takes the sandbox up again (Agent.adopt)
+    assert record.ended_leases == stored.ended_leases == [LEASE]
     again = await agent.reset(sid, ResetSandbox(lease_id=LEASE, request_id="r1"))
     assert again is sandbox and docker.calls == ["unpause", "reset"]
     with pytest.raises(ApiError) as other:

@@ -55,6 +55,7 @@ def test_an_acquire_is_served_cold_then_warm_and_release_removes_it():
     async def scenario(h: Harness) -> None:
         first = await h.acquire()
         assert first.path == "cold" and first.node.startswith("node-")
+        await h.granted(first)
         assert h.on_agents()[first.id] == S.LEASED
         await h.release(first)
         assert first.id not in h.on_agents()
@@ -62,6 +63,69 @@ def test_an_acquire_is_served_cold_then_warm_and_release_removes_it():
         assert h.metric("dsec_episodes_completed_total") == 1
 
     Harness(nodes=2, pools={"default": PoolParams(min_warm=0)}).run(scenario)
+
+
+# --- a running sandbox is served before its agent hears of the lease ----------------
+
+
+def test_a_warm_acquire_is_answered_while_its_grant_is_on_its_way_to_the_agent():
+    async def scenario(h: Harness) -> None:
+        await h.settle(5)  # the warm pool fills
+        lease = await h.acquire()
+        assert lease.path == "warm" and lease.schedule_ms == 0.0
+        assert h.scheduler.actuator.in_flight(lease.id) is not None  # the grant
+        assert h.on_agents()[lease.id] == S.WARM and not h.calls_of("lease")
+        await h.granted(lease)
+        assert h.on_agents()[lease.id] == S.LEASED
+        [grant] = h.calls_of("lease", lease.id)
+        assert grant.result.ok and grant.args[0].lease_id == lease.lease_id
+
+    Harness(nodes=1, pools={"default": PoolParams(min_warm=1)}).run(scenario)
+
+
+def test_a_lease_its_node_refuses_after_it_was_answered_ends_and_its_client_hears_why():
+    async def scenario(h: Harness) -> None:
+        await h.settle(5)
+        h.agents.inject("node-1", "lease", UNREACHABLE)
+        lease = await h.acquire(idempotency_key="ep-9")
+        await h.granted(lease)
+        await h.settle(2)
+        assert lease.id not in h.on_agents()  # removed, never left leased to no one
+        for attempt in (h.release(lease), h.acquire(idempotency_key="ep-9")):
+            with pytest.raises(ApiError) as ended:
+                await attempt
+            assert ended.value.status in (409, 410)
+            assert ended.value.code in ("lease_expired", "idempotency_key_spent")
+        with pytest.raises(ApiError) as told:
+            await h.release(lease)
+        assert "its node refused it (unreachable)" in told.value.message
+        assert h.metric("dsec_agent_call_errors_total", op="lease") == 1
+
+    Harness(nodes=1, pools={"default": PoolParams(min_warm=1)}, resync_s=0).run(scenario)
+
+
+def test_a_client_that_leaves_once_answered_gives_its_sandbox_back_after_the_grant():
+    async def scenario(h: Harness) -> None:
+        await h.settle(5)
+        [warm] = h.on_agents()
+        leases = h.scheduler.leases
+        serve, waiting = leases._serve, []
+
+        def leave_as_served(*args) -> None:
+            waiting[0].cancel()  # the client hangs up just as its answer is made
+            serve(*args)
+
+        leases._serve = leave_as_served
+        waiting.append(asyncio.ensure_future(h.acquire()))
+        with pytest.raises(asyncio.CancelledError):
+            await waiting[0]
+        assert h.scheduler.actuator.in_flight(warm) is not None  # the grant still runs
+        await h.settle(2)
+        assert [c.result.ok for c in h.calls_of("lease", warm)] == [True]
+        assert [c.result.ok for c in h.calls_of("destroy", warm)] == [True]
+        assert warm not in h.on_agents() and warm not in h.scheduler.view.sandboxes
+
+    Harness(nodes=1, pools={"default": PoolParams(min_warm=1, max_warm=1)}).run(scenario)
 
 
 def test_a_template_every_node_refuses_fails_at_once_with_the_reason():
@@ -99,6 +163,7 @@ def test_a_retry_with_the_same_key_gets_the_same_sandbox_also_while_the_first_wa
         )
         third = await h.acquire(idempotency_key="ep-1")  # after it was served
         assert (third.id, third.lease_token) == (lease.id, lease.lease_token)
+        await h.granted(lease)
         assert h.on_agents() == {lease.id: S.LEASED}  # one sandbox, one lease
         assert len(h.calls_of("create")) == 1 and len(h.calls_of("lease")) == 1
         assert h.metric("dsec_acquire_requests_total", outcome="served") == 1
@@ -593,6 +658,8 @@ def test_a_claim_thaws_a_frozen_sandbox(frozen):
 def test_an_idle_lease_is_paused_after_lease_idle_freeze_s_and_activity_postpones_it():
     async def scenario(h: Harness) -> None:
         quiet, busy = await h.acquire(), await h.acquire()
+        await h.granted(quiet)
+        await h.granted(busy)
         leased_at = {x.id: h.calls_of("lease", x.id)[0].ended for x in (quiet, busy)}
         await h.settle(5)
         ran_until = h.now() + 1

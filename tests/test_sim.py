@@ -6,7 +6,6 @@ import asyncio
 import json
 import os
 import random
-import statistics
 import subprocess
 import sys
 import time
@@ -304,9 +303,11 @@ def test_exec_starts_take_their_share_of_the_engine_though_nobody_waits_for_them
     assert not engine.jobs and not engine.execs and engine.in_windows == [0, 0, 0]
 
 
-def test_a_lease_is_as_slow_as_measured_under_the_load_the_engine_carries():
+def test_a_warm_acquire_is_served_at_its_claim_however_slow_its_lease_call():
     """Every acquire takes a warm sandbox and its claim starts a refill, so the lease
-    meets a create under way: it takes the loaded time, unless nothing else runs."""
+    call meets a create under way and takes the loaded time (50 times the quiet one).
+    As in the control plane, the acquire does not wait for it: its token proves the
+    lease to the agent, so a warm acquire takes no time at all in virtual time."""
     trace = generate(kind="poisson", n=40, rate_per_s=0.05, seed=3, lifetime_p50_s=5,
                      lifetime_p99_s=10, mean_step_s=5)  # fmt: skip
     params = PoolParams(min_warm=2)
@@ -320,8 +321,7 @@ def test_a_lease_is_as_slow_as_measured_under_the_load_the_engine_carries():
         for name, run in (("quiet", quiet), ("loaded", loaded))
     }
     assert len(warm["quiet"]) >= 30 and len(warm["loaded"]) >= 30
-    assert max(warm["quiet"]) == pytest.approx(fast * 1000)
-    assert statistics.median(warm["loaded"]) == pytest.approx(slow * 1000)
+    assert max(warm["quiet"]) == max(warm["loaded"]) == 0.0
 
 
 def test_a_contended_simulation_is_the_same_for_the_same_seed():

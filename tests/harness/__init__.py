@@ -66,7 +66,8 @@ class Call:
     started: float
     ended: float
     result: CallResult
-    args: tuple = ()  # what the call said besides the sandbox (a destroy: why it ended)
+    # what the call said besides the sandbox (a destroy: why it ended; a lease: the grant)
+    args: tuple = ()
 
 
 class RecordingAgents:
@@ -94,7 +95,7 @@ class RecordingAgents:
 
     async def lease(self, node: AgentAddress, sandbox_id: str, grant: LeaseGrant) -> CallResult:
         call = self.agents.lease(node, sandbox_id, grant)
-        return await self._record("lease", node, sandbox_id, call)
+        return await self._record("lease", node, sandbox_id, call, (grant,))
 
     async def pause(self, node: AgentAddress, sandbox_id: str) -> CallResult:
         return await self._record("pause", node, sandbox_id, self.agents.pause(node, sandbox_id))
@@ -265,6 +266,12 @@ class Harness:
     async def acquire(self, owner: str | None = ALICE, **fields) -> Lease:
         fields.setdefault("timeout_s", 60)
         return await self.scheduler.leases.acquire(AcquireRequest(**fields), owner)
+
+    async def granted(self, lease: Lease) -> None:
+        """Wait until its agent has answered the grant of `lease`: a running sandbox is
+        served at its claim, while the grant is still on its way to the agent."""
+        while (in_flight := self.scheduler.actuator.in_flight(lease.id)) is not None:
+            await asyncio.shield(in_flight)
 
     async def release(self, lease: Lease) -> None:
         await self.scheduler.leases.release(lease.id, lease.lease_token)
