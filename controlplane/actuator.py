@@ -101,7 +101,11 @@ class Actuator:
         return task
 
     def in_flight(self, sandbox_id: str) -> asyncio.Task | None:
-        return self.ops.get(sandbox_id)
+        """The side effect under way about the sandbox. Not one that has ended but whose
+        done callback has not run yet: awaiting that returns at once, without yielding,
+        so a loop that waits until nothing is in flight would spin."""
+        task = self.ops.get(sandbox_id)
+        return task if task is not None and not task.done() else None
 
     def track(self, task: asyncio.Task) -> None:
         """Keep a side effect that is about no one sandbox until it ends (drain waits)."""

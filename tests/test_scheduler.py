@@ -128,6 +128,28 @@ def test_a_client_that_leaves_once_answered_gives_its_sandbox_back_after_the_gra
     Harness(nodes=1, pools={"default": PoolParams(min_warm=1, max_warm=1)}).run(scenario)
 
 
+def test_a_side_effect_that_has_ended_is_not_in_flight_before_its_callbacks_run():
+    """A release waits while its sandbox's grant is in flight. A grant that has just
+    ended, whose done callbacks have not run yet, is not in flight: awaiting it returns
+    without yielding, and that wait would spin the event loop for good."""
+
+    async def scenario(h: Harness) -> None:
+        await h.settle(5)
+        [warm] = h.on_agents()
+        entry = h.scheduler.view.sandboxes[warm]
+        actuator, seen = h.scheduler.actuator, []
+
+        async def side_effect() -> None:
+            # runs once this task has ended, before its done callbacks
+            asyncio.get_running_loop().call_soon(lambda: seen.append(actuator.in_flight(warm)))
+
+        task = actuator.spawn(entry, side_effect())
+        await task
+        assert seen == [None] and actuator.in_flight(warm) is None
+
+    Harness(nodes=1, pools={"default": PoolParams(min_warm=1)}).run(scenario)
+
+
 def test_a_template_every_node_refuses_fails_at_once_with_the_reason():
     async def scenario(h: Harness) -> None:
         started = h.now()
