@@ -303,10 +303,15 @@ async def test_an_agent_takes_control_calls_only_with_its_own_call_token(tmp_pat
 # --- lease tokens ----------------------------------------------------------------------------
 
 
-def lease_on(agent: Agent, sandbox_id: str, owner: str | None = OWNER) -> str:
-    """A sandbox leased on `agent` to `owner`, with no container; its lease id."""
+def sandbox_on(
+    agent: Agent,
+    sandbox_id: str,
+    state: SandboxState = SandboxState.WARM,
+    lease_id: str | None = None,
+    owner: str | None = None,
+) -> Sandbox:
+    """A sandbox on `agent` with no container, under `lease_id` to `owner` if given."""
     spec = TemplateSpec(name="base", image=BASE_IMAGE)
-    lease_id = new_lease_id()
     record = SandboxRecord(
         id=sandbox_id,
         container_id="c-" + sandbox_id,
@@ -316,7 +321,14 @@ def lease_on(agent: Agent, sandbox_id: str, owner: str | None = OWNER) -> str:
         lease_id=lease_id,
         owner=owner,
     )
-    agent.sandboxes[sandbox_id] = Sandbox(record, spec, SandboxState.LEASED, 0.0)
+    agent.sandboxes[sandbox_id] = sandbox = Sandbox(record, spec, state, 0.0)
+    return sandbox
+
+
+def lease_on(agent: Agent, sandbox_id: str, owner: str | None = OWNER) -> str:
+    """A sandbox leased on `agent` to `owner`, with no container; its lease id."""
+    lease_id = new_lease_id()
+    sandbox_on(agent, sandbox_id, SandboxState.LEASED, lease_id, owner)
     return lease_id
 
 
@@ -405,20 +417,6 @@ def test_a_lease_token_names_its_lease_and_only_its_node_makes_that_claim_good()
     assert lease_token_expiry(key, f"{expiry}.{mac}", sid, lease, OWNER) == 1_900_000_000
 
 
-def warm_on(agent: Agent, sandbox_id: str, state: SandboxState = SandboxState.WARM) -> Sandbox:
-    """A sandbox with no lease and no container on `agent`."""
-    spec = TemplateSpec(name="base", image=BASE_IMAGE)
-    record = SandboxRecord(
-        id=sandbox_id,
-        container_id="c-" + sandbox_id,
-        pool="default",
-        template=spec.model_dump(),
-        created_at=0.0,
-    )
-    agent.sandboxes[sandbox_id] = sandbox = Sandbox(record, spec, state, 0.0)
-    return sandbox
-
-
 async def test_a_lease_token_takes_up_its_warm_sandbox_before_the_grant_which_completes_it(
     tmp_path,
 ):
@@ -427,7 +425,7 @@ async def test_a_lease_token_takes_up_its_warm_sandbox_before_the_grant_which_co
     ids = Identities(new_token(), new_token())
     async with inprocess_agent(tmp_path, identities=ids) as a:
         sid, lease = "n1.00000000000000f1", new_lease_id()
-        sandbox = warm_on(a.agent, sid)
+        sandbox = sandbox_on(a.agent, sid)
         token = lease_token(ids.lease_key("n1"), sid, lease, OWNER, NO_EXPIRY)
         assert await a.agent.execs.hold(sid, token) == (sandbox, lease)
         assert sandbox.state == SandboxState.LEASED and sandbox.record.owner == OWNER
@@ -454,8 +452,8 @@ async def test_a_lease_token_takes_up_no_sandbox_but_the_one_it_was_made_for(tmp
         mine, theirs = "n1.00000000000000f2", "n1.00000000000000f3"
         lease = new_lease_id()
         my_token = lease_token(key, mine, lease, OWNER, NO_EXPIRY)
-        warm_on(a.agent, theirs)
-        recycled = warm_on(a.agent, mine)
+        sandbox_on(a.agent, theirs)
+        recycled = sandbox_on(a.agent, mine)
         recycled.record.ended_leases.append(lease)  # that lease ended; the sandbox lives on
         refused = {
             mine: [my_token],  # a token of a lease it had before (it was recycled since)
@@ -470,7 +468,7 @@ async def test_a_lease_token_takes_up_no_sandbox_but_the_one_it_was_made_for(tmp
                 assert await exec_status(a, sid, token) == (409, "not_leased"), (sid, token)
                 assert a.agent.sandboxes[sid].state == SandboxState.WARM
                 assert a.agent.sandboxes[sid].record.lease_id is None
-        paused = warm_on(a.agent, "n1.00000000000000f4", SandboxState.PAUSED)
+        paused = sandbox_on(a.agent, "n1.00000000000000f4", SandboxState.PAUSED)
         token = lease_token(key, paused.id, lease, OWNER, NO_EXPIRY)
         assert await exec_status(a, paused.id, token) == (409, "not_leased")  # thawed by a grant
         assert paused.state == SandboxState.PAUSED
