@@ -24,7 +24,7 @@ import logging
 import secrets
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 from agent.audit import AuditRecord, quoted_cmd
 from agent.docker_driver import (
@@ -123,9 +123,6 @@ class Execs:
         """The sandbox and its lease, if `token` holds that lease (files use it too)."""
         agent = self.agent
         sandbox = agent.get(sandbox_id)
-        lease_id = sandbox.record.lease_id
-        if lease_id is None:
-            raise ApiError(409, "not_leased", f"sandbox {sandbox_id} is not leased")
         if token is None:
             raise CredentialRefused(
                 401, "unauthenticated", "missing Authorization: Bearer <lease token>"
@@ -133,6 +130,11 @@ class Execs:
         if agent.identity is None:  # it has not joined yet: it cannot check a token
             raise ApiError(
                 503, "not_joined", f"node {agent.config.node_id} is joining its control plane"
+            )
+        lease_id = sandbox.record.lease_id
+        if lease_id is None:  # (`hold` took up the lease the token proves, if it could)
+            self._refuse_unheld(
+                sandbox, lease_token_claim(agent.identity.lease_key, token, sandbox_id)
             )
         # made with this node's lease key for this sandbox, lease and client, or refused
         owner = sandbox.record.owner
@@ -146,6 +148,20 @@ class Execs:
         if expires_at <= agent.clock.wall():
             raise ApiError(410, "lease_expired", f"the lease on {sandbox_id} has expired")
         return sandbox, lease_id
+
+    def _refuse_unheld(self, sandbox: Sandbox, claim: LeaseClaim | None) -> NoReturn:
+        """Why `claim` (a token's, None if it proves no lease) does not hold `sandbox`,
+        which holds no lease: its grant may still be on its way, so "not leased" is said
+        only to a token that proves a lease here."""
+        if claim is None:
+            raise CredentialRefused(
+                403, "forbidden", f"this token does not hold a lease on {sandbox.id}"
+            )
+        if claim.lease_id in sandbox.record.ended_leases:
+            raise ApiError(410, "released", f"the lease on {sandbox.id} has ended")
+        if claim.expires_at <= self.agent.clock.wall():
+            raise ApiError(410, "lease_expired", f"the lease on {sandbox.id} has expired")
+        raise ApiError(409, "not_leased", f"sandbox {sandbox.id} is {sandbox.state}, not leased")
 
     def admit(self, sandbox: Sandbox) -> None:
         """Refuse a command past the sandbox's or the node's limit (429), before any

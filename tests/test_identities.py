@@ -456,16 +456,19 @@ async def test_a_lease_token_takes_up_no_sandbox_but_the_one_it_was_made_for(tmp
         recycled = sandbox_on(a.agent, mine)
         recycled.record.ended_leases.append(lease)  # that lease ended; the sandbox lives on
         refused = {
-            mine: [my_token],  # a token of a lease it had before (it was recycled since)
+            # a token of a lease it had before (it was recycled since)
+            mine: [(my_token, 410, "released")],
             theirs: [
-                my_token,  # another sandbox's
-                lease_token(ids.lease_key("n2"), theirs, lease, OWNER, NO_EXPIRY),  # node's
-                lease_token(key, theirs, lease, OWNER, int(time.time()) - 1),  # lapsed
+                (my_token, 403, "forbidden"),  # another sandbox's
+                (lease_token(ids.lease_key("n2"), theirs, lease, OWNER, NO_EXPIRY), 403,
+                 "forbidden"),  # another node's
+                (lease_token(key, theirs, lease, OWNER, int(time.time()) - 1), 410,
+                 "lease_expired"),  # lapsed
             ],
-        }
+        }  # fmt: skip
         for sid, tokens in refused.items():
-            for token in tokens:
-                assert await exec_status(a, sid, token) == (409, "not_leased"), (sid, token)
+            for token, status, code in tokens:
+                assert await exec_status(a, sid, token) == (status, code), (sid, token)
                 assert a.agent.sandboxes[sid].state == SandboxState.WARM
                 assert a.agent.sandboxes[sid].record.lease_id is None
         paused = sandbox_on(a.agent, "n1.00000000000000f4", SandboxState.PAUSED)
