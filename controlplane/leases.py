@@ -86,10 +86,11 @@ class Leases:
         if req is None or entry is None or req.done.done():
             return
         log.debug("claim %s for %s (%s): %s", entry.id, req.id, action.path, action.reason)
-        # A running sandbox is served at once: its lease token proves the lease to its
-        # agent, which takes it up from the client's first call if the grant is not
-        # there yet (dsec/tokens.py). A frozen one waits for its agent to thaw it.
-        at_once = entry.state == SandboxState.WARM
+        # A running sandbox its agent vouches for is served at once: its lease token
+        # proves the lease to its agent, which takes it up from the client's first call
+        # if the grant is not there yet (dsec/tokens.py). A frozen one waits for its
+        # agent to thaw it, and one its agent may have lost for the grant's answer.
+        at_once = entry.state == SandboxState.WARM and self.view.vouched_warm(entry, now)
         self.view.move(entry, SandboxState.LEASED, now)
         self.view.set_pool(entry, req.pool)  # a higher-priority pool may have taken it over
         entry.frozen_at = None

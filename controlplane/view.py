@@ -273,6 +273,20 @@ class ClusterView:
         self._change_at(node_id, node.failing_until)
         return True
 
+    def vouched_warm(self, entry: SandboxEntry, now: float) -> bool:
+        """Whether `entry`'s agent said it runs warm, in its node's last report or in an
+        answer since (its create): only such a sandbox is served before its agent
+        answers the grant. One this view still holds warm from before may have died
+        since (an engine restart: the report that no longer lists it is held back for
+        the confirm grace), and its grant's refusal must put the request back in line."""
+        node = self.nodes.get(entry.node)
+        if node is None or not node.serving(now):
+            return False
+        row = node.rows.get(entry.id)
+        if row is not None:
+            return row.state == SandboxState.WARM
+        return entry.confirmed_at >= node.last_seen
+
     def call_succeeded(self, node_id: str) -> None:
         node = self.nodes.get(node_id)
         if node is not None and node.failures:

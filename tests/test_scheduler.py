@@ -83,6 +83,28 @@ def test_a_warm_acquire_is_answered_while_its_grant_is_on_its_way_to_the_agent()
     Harness(nodes=1, pools={"default": PoolParams(min_warm=1)}).run(scenario)
 
 
+def test_a_warm_sandbox_its_node_no_longer_reports_is_not_served_before_its_grant():
+    """A warm sandbox that died (with its engine) and that its node's report no longer
+    lists is still warm in the view for the confirm grace. It is not served at once:
+    its grant's refusal puts the request back in line, and another sandbox serves it."""
+
+    async def scenario(h: Harness) -> None:
+        await h.settle(5)
+        [dead] = h.on_agents()
+        del h.agents.nodes["node-1"].sandboxes[dead]  # gone, as an engine restart leaves it
+        await h.settle(1.5)  # a report without it
+        assert h.scheduler.view.sandboxes[dead].state == S.WARM  # within the grace
+        lease = await h.acquire()
+        assert lease.id != dead and lease.path == "cold"
+        [refused] = h.calls_of("lease", dead)
+        assert refused.result.code == "unknown_sandbox"
+        await h.granted(lease)
+        assert h.on_agents()[lease.id] == S.LEASED
+
+    pools = {"default": PoolParams(min_warm=1, max_warm=1, warm_fraction=0)}
+    Harness(nodes=1, pools=pools, confirm_grace_s=10).run(scenario)
+
+
 def test_a_lease_its_node_refuses_after_it_was_answered_ends_and_its_client_hears_why():
     async def scenario(h: Harness) -> None:
         await h.settle(5)

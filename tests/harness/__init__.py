@@ -174,6 +174,7 @@ class Harness:
         templates: dict[str, TemplateSpec] | None = None,
         policy: str = "dsec",
         heartbeat_s: float = 1.0,
+        confirm_grace_s: float = 0.0,
         cloud_nodes: int = 0,
         cloud_boot_s: float = 5.0,
         cloud_idle_release_s: float = 60.0,
@@ -193,6 +194,7 @@ class Harness:
             **config,
         )
         self.heartbeat_s = heartbeat_s
+        self.confirm_grace_s = confirm_grace_s
         self.agents = SimAgents(Profile.default(seed=seed), random.Random(seed), False)
         for i in range(nodes):
             self.add_node(f"node-{i + 1}", slots)
@@ -207,14 +209,15 @@ class Harness:
         self._tasks: list[asyncio.Task] = []
 
     def _build(self) -> Scheduler:
-        # the reports are never late: the simulated agents' state at their instant
+        # the reports are never late (the simulated agents' state at their instant), so
+        # no grace unless a test asks for one
         return build_scheduler(
             self.config,
             RecordingAgents(self.agents, self.clock, self.calls),
             self.clock,
             cloud=self.cloud,
             policy=RecordingPolicy(make_policy(self.config.policy), self.decisions),
-            confirm_grace_s=0,
+            confirm_grace_s=self.confirm_grace_s,
         )
 
     def add_node(self, node_id: str, slots: int, images: set[str] | None = None) -> None:
