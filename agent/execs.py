@@ -24,7 +24,7 @@ import logging
 import secrets
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING
 
 from agent.audit import AuditRecord, quoted_cmd
 from agent.docker_driver import (
@@ -41,7 +41,7 @@ from agent.resident import RunningCommand
 from agent.sandboxes import Sandbox
 from dsec.httpkit import ApiError, CredentialRefused
 from dsec.models import ExecExit, ExecRequest, ExecResult, ExecStreamRequest
-from dsec.tokens import LeaseClaim, lease_token_claim, lease_token_expiry
+from dsec.tokens import lease_token_claim, lease_token_expiry
 
 if TYPE_CHECKING:
     from agent.node import Agent
@@ -103,21 +103,13 @@ class Execs:
         """`authorize`, once the lease `token` proves by itself is taken up: the control
         plane answers a warm acquire before this node hears of the lease, and the
         client's first call may come before the control plane's grant."""
-        sandbox = self.agent.get(sandbox_id)
-        if sandbox.record.lease_id is None and (claim := self._claim(sandbox, token)):
-            await self.agent.adopt(sandbox, claim)
-        return self.authorize(sandbox_id, token)
-
-    def _claim(self, sandbox: Sandbox, token: str | None) -> LeaseClaim | None:
-        """The lease `token` proves on `sandbox`, if it may take it up (unexpired, not
-        one the sandbox had before); None leaves the refusal to `authorize`."""
         agent = self.agent
-        if token is None or agent.identity is None:
-            return None
-        claim = lease_token_claim(agent.identity.lease_key, token, sandbox.id)
-        if claim is None or claim.expires_at <= agent.clock.wall():
-            return None
-        return claim if agent.may_adopt(sandbox, claim) else None
+        sandbox = agent.get(sandbox_id)
+        if sandbox.record.lease_id is None and token is not None and agent.identity:
+            claim = lease_token_claim(agent.identity.lease_key, token, sandbox_id)
+            if claim is not None and agent.adoption_refused(sandbox, claim) is None:
+                await agent.adopt(sandbox, claim)
+        return self.authorize(sandbox_id, token)
 
     def authorize(self, sandbox_id: str, token: str | None) -> tuple[Sandbox, str]:
         """The sandbox and its lease, if `token` holds that lease (files use it too)."""
@@ -133,8 +125,9 @@ class Execs:
             )
         lease_id = sandbox.record.lease_id
         if lease_id is None:  # (`hold` took up the lease the token proves, if it could)
-            self._refuse_unheld(
-                sandbox, lease_token_claim(agent.identity.lease_key, token, sandbox_id)
+            claim = lease_token_claim(agent.identity.lease_key, token, sandbox_id)
+            raise agent.adoption_refused(sandbox, claim) or ApiError(
+                409, "not_leased", f"sandbox {sandbox_id} is not leased"
             )
         # made with this node's lease key for this sandbox, lease and client, or refused
         owner = sandbox.record.owner
@@ -148,20 +141,6 @@ class Execs:
         if expires_at <= agent.clock.wall():
             raise ApiError(410, "lease_expired", f"the lease on {sandbox_id} has expired")
         return sandbox, lease_id
-
-    def _refuse_unheld(self, sandbox: Sandbox, claim: LeaseClaim | None) -> NoReturn:
-        """Why `claim` (a token's, None if it proves no lease) does not hold `sandbox`,
-        which holds no lease: its grant may still be on its way, so "not leased" is said
-        only to a token that proves a lease here."""
-        if claim is None:
-            raise CredentialRefused(
-                403, "forbidden", f"this token does not hold a lease on {sandbox.id}"
-            )
-        if claim.lease_id in sandbox.record.ended_leases:
-            raise ApiError(410, "released", f"the lease on {sandbox.id} has ended")
-        if claim.expires_at <= self.agent.clock.wall():
-            raise ApiError(410, "lease_expired", f"the lease on {sandbox.id} has expired")
-        raise ApiError(409, "not_leased", f"sandbox {sandbox.id} is {sandbox.state}, not leased")
 
     def admit(self, sandbox: Sandbox) -> None:
         """Refuse a command past the sandbox's or the node's limit (429), before any

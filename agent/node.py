@@ -37,7 +37,7 @@ from agent.resident import Resident
 from agent.sandboxes import Sandbox
 from agent.store import SandboxRecord, SandboxStore
 from dsec.clock import Clock
-from dsec.httpkit import ApiError
+from dsec.httpkit import ApiError, CredentialRefused
 from dsec.models import (
     MAX_NODE_SANDBOXES,
     CreateSandbox,
@@ -275,15 +275,25 @@ class Agent:
             sandbox.last_active = self.clock.now()
             return sandbox
 
-    def may_adopt(self, sandbox: Sandbox, claim: LeaseClaim) -> bool:
-        """Whether a lease token's own claim may take up `sandbox`: it is warm, with no
-        lease, and that lease is not one it had before (a token of a lease that ended
-        never takes back the recycled sandbox)."""
-        return (
-            sandbox.state == SandboxState.WARM
-            and sandbox.record.lease_id is None
-            and claim.lease_id not in sandbox.record.ended_leases
-        )
+    def adoption_refused(self, sandbox: Sandbox, claim: LeaseClaim | None) -> ApiError | None:
+        """Why a lease token's own claim (None: the token proves no lease here) may not
+        take up `sandbox`, which holds no lease; None if it may. Only a warm sandbox is
+        taken up, and never for a lease it had before (recycled since) or a lapsed one.
+        Its grant may still be on its way, so "not leased" is said only to a token that
+        proves a lease here."""
+        if claim is None:
+            return CredentialRefused(
+                403, "forbidden", f"this token does not hold a lease on {sandbox.id}"
+            )
+        if claim.lease_id in sandbox.record.ended_leases:
+            return ApiError(410, "released", f"the lease on {sandbox.id} has ended")
+        if claim.expires_at <= self.clock.wall():
+            return ApiError(410, "lease_expired", f"the lease on {sandbox.id} has expired")
+        if sandbox.state != SandboxState.WARM or sandbox.record.lease_id is not None:
+            return ApiError(
+                409, "not_leased", f"sandbox {sandbox.id} is {sandbox.state}, not leased"
+            )
+        return None
 
     async def adopt(self, sandbox: Sandbox, claim: LeaseClaim) -> None:
         """Take up the lease a token proves (Execs.hold) before the control plane's grant
@@ -293,8 +303,8 @@ class Agent:
         async with sandbox.lock:
             if sandbox.record.lease_id == claim.lease_id:
                 return  # the grant, or another command, took it up meanwhile
-            if not self.may_adopt(sandbox, claim):
-                return  # the caller's authorize says why not
+            if self.adoption_refused(sandbox, claim) is not None:
+                return  # the caller's authorize says why
             self.require_engine()
             sandbox.record.lease_id, sandbox.record.owner = claim.lease_id, claim.owner
             await self.store.put(sandbox.record)

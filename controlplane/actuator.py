@@ -107,6 +107,12 @@ class Actuator:
         task = self.ops.get(sandbox_id)
         return task if task is not None and not task.done() else None
 
+    async def settled(self, sandbox_id: str) -> None:
+        """Wait until no side effect about the sandbox is under way (one started while
+        the last was awaited too)."""
+        while (in_flight := self.in_flight(sandbox_id)) is not None:
+            await asyncio.shield(in_flight)
+
     def track(self, task: asyncio.Task) -> None:
         """Keep a side effect that is about no one sandbox until it ends (drain waits)."""
         self.tasks.add(task)

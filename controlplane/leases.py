@@ -445,8 +445,7 @@ class Leases:
     async def _give_back(self, entry: SandboxEntry) -> None:
         """Remove a sandbox whose lease no one took, once its agent has answered the
         grant (a running sandbox's lease is answered while the grant is under way)."""
-        while (in_flight := self.actuator.in_flight(entry.id)) is not None:
-            await asyncio.shield(in_flight)
+        await self.actuator.settled(entry.id)
         if entry.state in ASSIGNED:
             self.actuator.destroy(entry, self.clock.now(), "destroy")
 
@@ -508,10 +507,9 @@ class Leases:
             self.by_key.pop(key, None)
             await self.spent_keys.add(key, entry.id)
             await self.held_keys.drop(key)
-        # a pause or thaw under way finishes first (one a tick started while the last was
-        # awaited too: the removal or reset below must not find a call in flight)
-        while (in_flight := self.actuator.in_flight(sandbox_id)) is not None:
-            await asyncio.shield(in_flight)
+        # a pause, thaw or grant under way finishes first: the removal or reset below
+        # must not find a call in flight
+        await self.actuator.settled(sandbox_id)
         now = self.clock.now()
         task = None
         if recycle and entry.state in ASSIGNED:
