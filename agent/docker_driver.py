@@ -73,7 +73,8 @@ def _error_kind(op: str, e: DockerError) -> str:
     if e.status == ENGINE_UNREACHABLE:
         return "engine_unreachable"
     if e.status == 404:
-        return "image_not_found" if op == "create" and "image" in text else "not_found"
+        image_op = op in ("create", "image_inspect")
+        return "image_not_found" if image_op and "image" in text else "not_found"
     if e.status == 409:
         return "conflict"
     if e.status == 400:
@@ -84,15 +85,19 @@ def _error_kind(op: str, e: DockerError) -> str:
 
 
 def container_config(
-    spec: TemplateSpec, labels: dict[str, str], resident_dir: Path | None = None
+    spec: TemplateSpec,
+    labels: dict[str, str],
+    resident_dir: Path | None = None,
+    entrypoint: list[str] | None = None,
 ) -> dict[str, Any]:
     """The Engine API's create body for a sandbox, hardened as its template says;
-    `resident_dir` is mounted read-only for its command loop (agent/resident.py)."""
+    `resident_dir` is mounted read-only for its command loop (agent/resident.py), which
+    `entrypoint`, when given, starts with the container."""
     # The limit makes room for both file systems on top of memory_mb, so filling the
     # work dir fails with ENOSPC at workdir_mb instead of OOM-killing every process in
     # the sandbox, and memory_mb stays what the processes get.
     ram_limit = spec.memory_limit_mb << 20
-    return {
+    config: dict[str, Any] = {
         "Image": spec.image,
         "Cmd": spec.command,
         "Labels": labels,
@@ -124,6 +129,9 @@ def container_config(
             },
         },
     }
+    if entrypoint is not None:
+        config["Entrypoint"] = entrypoint
+    return config
 
 
 @dataclass
@@ -221,6 +229,7 @@ class AsyncDocker:
         self.url = url or os.environ.get("DOCKER_HOST") or "unix:///var/run/docker.sock"
         self.engine = EngineQueue(LIFECYCLE_SLOTS, CreateLimit(), clock.now)
         self._api: aiodocker.Docker | None = None
+        self.entrypoints: dict[str, list[str]] = {}  # by image name, read once
 
     @property
     def api(self) -> aiodocker.Docker:
@@ -266,9 +275,10 @@ class AsyncDocker:
         labels: dict[str, str],
         work: Work,
         resident_dir: Path | None = None,
+        entrypoint: list[str] | None = None,
     ) -> str:
         """Create and start a sandbox container."""
-        config = container_config(spec, labels, resident_dir)
+        config = container_config(spec, labels, resident_dir, entrypoint)
 
         async def create_and_start() -> str:
             container = await self.api.containers.create(config, name=name)
@@ -283,6 +293,17 @@ class AsyncDocker:
             return container.id
 
         return await self.call("create", create_and_start, work)
+
+    async def image_entrypoint(self, image: str) -> list[str]:
+        """The entrypoint `image` names (none: []), read from the engine once per image
+        name: a sandbox that starts its own command loop puts it after the loop's boot.
+        An image rebuilt under the same name with another entrypoint needs the agent
+        restarted. One quick read per image, so it waits for no turn (Work.CLIENT), nor
+        counts as a create's time."""
+        if image not in self.entrypoints:
+            info = await self.call("image_inspect", lambda: self.api.images.inspect(image))
+            self.entrypoints[image] = list(info.get("Config", {}).get("Entrypoint") or [])
+        return self.entrypoints[image]
 
     async def pause(self, container_id: str) -> None:
         await self.call("pause", self._container(container_id).pause, Work.FREEZE)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import secrets
 from collections.abc import Coroutine
@@ -33,7 +34,7 @@ from agent.files import Files
 from agent.host import Unavailable, reset_from_host
 from agent.metrics import AgentMetrics
 from agent.reset import leftovers, main_of, reset_dirs, reset_script, split_reset_output
-from agent.resident import Resident
+from agent.resident import BOOTED, NO_COMMAND, Resident
 from agent.sandboxes import Sandbox
 from agent.store import SandboxRecord, SandboxStore
 from dsec.clock import Clock
@@ -194,14 +195,7 @@ class Agent:
         sandbox = Sandbox(record, req.template, SandboxState.CREATING, self.clock.now())
         self.sandboxes[req.sandbox_id] = sandbox  # holds the slot while Docker works
         try:
-            resident_dir = self.resident.prepare(req.sandbox_id)  # a few small local writes
-            record.container_id = await self.docker.create(
-                f"dsec-{req.sandbox_id}",
-                req.template,
-                self.labels_for(req.sandbox_id, req.pool, req.template.name),
-                work,
-                resident_dir,
-            )
+            booted = await self.make_container(sandbox, req.template, work)
             if self.sandboxes.get(req.sandbox_id) is not sandbox:
                 # removed while Docker made it (a shutdown's remove_all): so is its container
                 with contextlib.suppress(DockerOpError):
@@ -223,8 +217,45 @@ class Agent:
             raise ApiError(status, f"docker_{e.kind}", str(e)) from e
         sandbox.move(SandboxState.WARM)
         sandbox.last_active = self.clock.now()
-        self.resident.ensure_loop(sandbox)
+        self.loop_started_with(sandbox, booted)
         return sandbox, True
+
+    async def make_container(self, sandbox: Sandbox, spec: TemplateSpec, work: Work) -> bool:
+        """Create and start the sandbox's container from `spec` (its template, or a
+        snapshot's image for a restore) into its record; True when the container
+        started its command loop itself (agent/resident.py). A template command the
+        image lacks is the engine's start_failed, as when the engine looks for it."""
+        record = sandbox.record
+        resident_dir = self.resident.prepare(record.id)  # a few small local writes
+        labels = self.labels_for(record.id, record.pool, sandbox.spec.name)
+        create = functools.partial(
+            self.docker.create, f"dsec-{record.id}", spec, labels, work, resident_dir
+        )
+        entrypoint = await self.resident.entrypoint(record.id, sandbox.spec)
+        if entrypoint is None:
+            record.container_id = await create()
+            return False
+        async with self.resident.boot_heard(record.id) as boot:
+            record.container_id = await create(entrypoint)
+            said = await boot.said()
+        if said == NO_COMMAND:
+            raise DockerOpError(
+                "create",
+                "start_failed",
+                f"the template's command {spec.command[0]!r} is not in image {spec.image} "
+                "(not in its PATH, or not executable by its user)",
+            )
+        if said != BOOTED:
+            log.warning("sandbox %s: its container's boot said %r: loop by exec", record.id, said)
+        return said == BOOTED
+
+    def loop_started_with(self, sandbox: Sandbox, booted: bool) -> None:
+        """A new container's loop: started with it, or by an engine exec from here on."""
+        if booted:
+            sandbox.loop, sandbox.resident_tried_at = None, self.clock.now()
+        else:
+            sandbox.resident_tried_at = None
+            self.resident.ensure_loop(sandbox)
 
     def get(self, sandbox_id: str) -> Sandbox:
         sandbox = self.sandboxes.get(sandbox_id)
@@ -365,13 +396,8 @@ class Agent:
         archive = await asyncio.to_thread(Path(record.archive_path).read_bytes)
         spec_from_snapshot = spec.model_copy(update={"image": record.hibernated_image})
         try:
-            record.container_id = await self.docker.create(
-                f"dsec-{record.id}",
-                spec_from_snapshot,
-                self.labels_for(record.id, record.pool, spec.name),
-                Work.CLIENT,  # a lease waits for this restore
-                self.resident.prepare(record.id),
-            )
+            # a lease waits for this restore
+            booted = await self.make_container(sandbox, spec_from_snapshot, Work.CLIENT)
             await self.docker.restore_dir(record.container_id, spec.workdir, archive, spec.user)
         except DockerOpError as e:
             self.docker_failed(e)
@@ -382,8 +408,7 @@ class Agent:
             raise ApiError(502, f"docker_{e.kind}", str(e)) from e
         await asyncio.to_thread(Path(record.archive_path).unlink, True)
         record.archive_path = None  # the image stays until the sandbox is destroyed
-        sandbox.resident_tried_at = None  # a new container: its loop is not there yet
-        self.resident.ensure_loop(sandbox)
+        self.loop_started_with(sandbox, booted)
 
     async def unpause(self, sandbox_id: str) -> Sandbox:
         sandbox = self.get(sandbox_id)

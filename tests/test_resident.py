@@ -10,6 +10,7 @@ to write its exit code); one the engine started has its parent outside the sandb
 from __future__ import annotations
 
 import asyncio
+import io
 import stat
 import uuid
 from collections.abc import AsyncIterator
@@ -28,12 +29,13 @@ from conftest import (
 )
 from inprocess import inprocess_agent
 
-from agent.docker_driver import AsyncDocker
+from agent.docker_driver import KEEPER_USER, AsyncDocker
+from controlplane.config import default_templates
 from dsec.cli.up import LocalPool
-from dsec.client import Client, Sandbox
+from dsec.client import Client, DsecError, Sandbox
 from dsec.clock import SystemClock
 from dsec.image import BASE_IMAGE
-from dsec.models import CreateSandbox, TemplateSpec
+from dsec.models import CreateSandbox, LeaseGrant, TemplateSpec
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -205,6 +207,78 @@ async def test_stdin_takes_the_engine_and_works(sb):
     assert b"".join(chunks) == b"in\n0\n"  # started by the engine
 
 
+MAIN_PROCESS = [
+    "sh",
+    "-c",
+    """for p in /proc/[0-9]*; do
+      [ "$(tr '\\0' ' ' < $p/cmdline)" = "sleep 2147483647 " ] || continue
+      echo "$(readlink $p/exe) $(cut -d' ' -f4 $p/stat)"
+    done 2>/dev/null""",
+]
+ENTRY_RECIPE = (
+    f"FROM {BASE_IMAGE}\n"
+    'ENTRYPOINT ["/bin/sh", "-c", "echo \\"$0\\" > /tmp/entry; exec \\"$@\\"", "entered"]\n'
+)
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def booting(docker_client, tmp_path_factory) -> AsyncIterator[LocalPool]:
+    """A pool with templates that may not be recycled: the base image as it is, one
+    with an entrypoint of its own, and one whose command the image lacks."""
+    tag = f"dsec-test-entry-{uuid.uuid4().hex[:8]}:latest"
+    docker_client.images.build(
+        fileobj=io.BytesIO(ENTRY_RECIPE.encode()), tag=tag, rm=True, network_mode="none"
+    )
+    templates = {
+        **default_templates(),
+        "plain": TemplateSpec(name="plain", image=BASE_IMAGE),
+        "entry": TemplateSpec(name="entry", image=tag),
+        "nocmd": TemplateSpec(name="nocmd", image=BASE_IMAGE, command=["no-such-program"]),
+    }
+    spec = make_spec(tmp_path_factory.mktemp("booting"), nodes=1, templates=templates)
+    try:
+        async with started_pool(spec, docker_client) as p:
+            yield p
+    finally:
+        docker_client.images.remove(tag, force=True)
+
+
+async def test_a_sandbox_that_is_never_recycled_starts_its_loop_itself(booting, docker_client):
+    """Its container starts the command loop (BOOT_SCRIPT): the first command already
+    runs through the loop, and the engine made no exec in it. The template's command is
+    the container's main process (its init's child), the image's own program under the
+    name the template gives, not the loop's busybox applet. A template that may be
+    recycled runs its init as a user of its own, so its loop, as the commands' user,
+    takes an engine exec as before."""
+    async with Client(booting.url, token=booting.tokens.client) as c:
+        async with c.sandbox(template="plain") as sandbox:
+            assert await parent_of_command(sandbox) == THROUGH_LOOP
+            container = docker_client.containers.get(f"dsec-{sandbox.id}")
+            assert not container.attrs["ExecIDs"], container.attrs["ExecIDs"]
+            assert (await sandbox.exec(MAIN_PROCESS)).stdout == "/bin/busybox 1\n"
+        async with c.sandbox(template="base") as sandbox:
+            await loop_serving(sandbox)
+            container = docker_client.containers.get(f"dsec-{sandbox.id}")
+            assert container.attrs["Config"]["User"] == KEEPER_USER
+            assert container.attrs["ExecIDs"]  # the loop's start
+
+
+async def test_the_images_entrypoint_still_runs_and_a_command_it_lacks_is_refused(booting):
+    """The loop's boot runs before the image's own entrypoint, which runs the template's
+    command; a command the image lacks is refused at create, as when the engine looked
+    for it itself."""
+    async with Client(booting.url, token=booting.tokens.client) as c:
+        async with c.sandbox(template="entry") as sandbox:
+            assert (await sandbox.exec(["cat", "/tmp/entry"])).stdout == "entered\n"
+            assert (await sandbox.exec(MAIN_PROCESS)).stdout == "/bin/busybox 1\n"
+            assert await parent_of_command(sandbox) == THROUGH_LOOP
+        with pytest.raises(DsecError) as refused:
+            await c.acquire(template="nocmd", timeout=60)
+        assert refused.value.code == "template_unavailable", refused.value
+        assert "docker_start_failed" in refused.value.message
+        assert "no-such-program" in refused.value.message
+
+
 async def test_the_loops_directory_goes_with_its_sandbox(pool):
     async with Client(pool.url, token=pool.tokens.client) as c:
         async with c.sandbox() as sandbox:
@@ -212,7 +286,9 @@ async def test_the_loops_directory_goes_with_its_sandbox(pool):
             assert (path / "ctl").is_fifo()
             out = await sandbox.exec(["sh", "-c", r"printf '\377\001'"])
             assert out.stdout_bytes == b"\xff\x01"
-            assert sorted(p.name for p in path.iterdir()) == ["ctl", "serve", "sh"]  # none left
+            # what the loop's boot and the loop need, no command's file left
+            names = sorted(p.name for p in path.iterdir())
+            assert names == ["boot", "booted", "ctl", "serve", "sh"], names
             shell = (path / "sh").stat()  # the node's one copy, execute-only
             assert stat.S_IMODE(shell.st_mode) == 0o111 and shell.st_nlink >= 2
 
@@ -275,3 +351,38 @@ async def _loop_waits_for_the_sandbox(agent, sandbox, docker_client) -> None:
     await agent.unpause(sandbox.id)
     agent.resident.ensure_loop(sandbox)  # the next command's fallback asks again
     await eventually(lambda: loops() == 1, "the loop starts once the sandbox is free")
+
+
+async def test_a_restored_sandbox_boots_its_loop_again_once(docker_client, tmp_path):
+    """A hibernated sandbox's snapshot carries the boot in its entrypoint: its restore
+    names the entrypoint afresh (boot, then the image's own), so its container starts
+    one loop, and no engine exec starts another."""
+    node = f"{TEST_POOL_PREFIX}{uuid.uuid4().hex[:8]}"
+    STARTED_POOLS.add(node)
+    docker = AsyncDocker(SystemClock(), lambda op, took: None)
+    async with inprocess_agent(tmp_path, docker, node_id=node) as running:
+        agent = running.agent
+        req = CreateSandbox(
+            sandbox_id=f"{node}.{uuid.uuid4().hex[:16]}",
+            pool="default",
+            template=TemplateSpec(name="plain", image=BASE_IMAGE),
+            request_id="r1",
+        )
+        try:
+            sandbox, _ = await agent.create(req)
+            await agent.pause(sandbox.id)
+            await agent.hibernate(sandbox.id)
+            grant = LeaseGrant(lease_id="0" * 32, pool="default", request_id="r2")
+            await agent.lease(sandbox.id, grant)
+            container = docker_client.containers.get(sandbox.record.container_id)
+            assert container.attrs["Config"]["Entrypoint"] == ["/.dsec/sh", "/.dsec/boot"]
+            top = container.top(ps_args="-o pid,args")["Processes"]
+            assert sorted(args for _, args in top) == sorted(
+                ["/sbin/docker-init -- /.dsec/sh /.dsec/boot sleep 2147483647",
+                 "sleep 2147483647", THROUGH_LOOP]
+            )  # fmt: skip
+            assert not container.attrs["ExecIDs"] and not agent.resident.starting
+        finally:
+            await agent.remove_all()
+    await docker.close()
+    assert not pool_containers(docker_client, node)

@@ -498,15 +498,23 @@ class SimAgents:
         await self._engine_op(node, "create", work)
         sb.state = S.WARM
         self._ready(sb.created_at)
-        self._later(self._start_loop(node, sb))
+        self._start_loop(node, sb)
         return CallResult(True, 201, "ok", "")
 
-    async def _start_loop(self, node: SimNode, sb: SimSandbox) -> None:
-        """As the live agent (agent/resident.py): one detached engine exec, once no more
-        urgent work waits, starts a new container's command loop. Until it runs, each of
-        the sandbox's commands is an engine exec; after, a fork inside the sandbox."""
-        await self._engine_op(node, "exec", Work.RESIDENT)
-        sb.loop_started = True
+    def _start_loop(self, node: SimNode, sb: SimSandbox) -> None:
+        """As the live agent (agent/resident.py): a new container of a template that may
+        not be recycled starts its command loop itself; one that may be, by one detached
+        engine exec once no more urgent work waits. Until the loop runs, each of the
+        sandbox's commands is an engine exec; after, a fork inside the sandbox."""
+        if not sb.spec.template.recyclable:
+            sb.loop_started = True
+            return
+
+        async def by_exec() -> None:
+            await self._engine_op(node, "exec", Work.RESIDENT)
+            sb.loop_started = True
+
+        self._later(by_exec())
 
     def _ready(self, since: float) -> None:
         if self.on_ready is not None:
@@ -528,7 +536,7 @@ class SimAgents:
                 return CallResult(False, 409, "no_capacity", "no room to restore")
             node.occupy(sb.needs, +1)
             await self._engine_op(node, "restore", Work.CLIENT)
-            self._later(self._start_loop(node, sb))  # a new container
+            self._start_loop(node, sb)  # a new container
         sb.state, sb.frozen_at = S.LEASED, None
         sb.leased(grant)
         sb.busy_until = max(sb.busy_until, asyncio.get_running_loop().time())
