@@ -10,6 +10,7 @@ to write its exit code); one the engine started has its parent outside the sandb
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
 import stat
 import uuid
@@ -30,6 +31,8 @@ from conftest import (
 from inprocess import inprocess_agent
 
 from agent.docker_driver import KEEPER_USER, AsyncDocker
+from agent.node import Agent
+from agent.sandboxes import Sandbox as LiveSandbox
 from controlplane.config import default_templates
 from dsec.cli.up import LocalPool
 from dsec.client import Client, DsecError, Sandbox
@@ -302,22 +305,29 @@ async def test_the_loop_never_starts_while_the_sandbox_is_being_paused(docker_cl
     """An exec that starts while its container is being paused hangs in the engine for
     good (runc joins a frozen cgroup), and so does every later call on that container,
     its removal too. A pause holds the sandbox's lock: the loop waits for its turn."""
+    async with inprocess_sandbox(docker_client, tmp_path) as (agent, sandbox):
+        await _loop_waits_for_the_sandbox(agent, sandbox, docker_client)
+
+
+@contextlib.asynccontextmanager
+async def inprocess_sandbox(docker_client, tmp_path) -> AsyncIterator[tuple[Agent, LiveSandbox]]:
+    """An agent in this process with one sandbox of the base image, as a template that
+    may not be recycled; both gone on the way out."""
     node = f"{TEST_POOL_PREFIX}{uuid.uuid4().hex[:8]}"
     STARTED_POOLS.add(node)
     docker = AsyncDocker(SystemClock(), lambda op, took: None)
     async with inprocess_agent(tmp_path, docker, node_id=node) as running:
-        agent = running.agent
         req = CreateSandbox(
             sandbox_id=f"{node}.{uuid.uuid4().hex[:16]}",
             pool="default",
             template=TemplateSpec(name="base", image=BASE_IMAGE),
             request_id="r1",
         )
-        sandbox, _ = await agent.create(req)
         try:
-            await _loop_waits_for_the_sandbox(agent, sandbox, docker_client)
+            sandbox, _ = await running.agent.create(req)
+            yield running.agent, sandbox
         finally:
-            await agent.remove_all()
+            await running.agent.remove_all()
     await docker.close()
     assert not pool_containers(docker_client, node)
 
@@ -357,32 +367,16 @@ async def test_a_restored_sandbox_boots_its_loop_again_once(docker_client, tmp_p
     """A hibernated sandbox's snapshot carries the boot in its entrypoint: its restore
     names the entrypoint afresh (boot, then the image's own), so its container starts
     one loop, and no engine exec starts another."""
-    node = f"{TEST_POOL_PREFIX}{uuid.uuid4().hex[:8]}"
-    STARTED_POOLS.add(node)
-    docker = AsyncDocker(SystemClock(), lambda op, took: None)
-    async with inprocess_agent(tmp_path, docker, node_id=node) as running:
-        agent = running.agent
-        req = CreateSandbox(
-            sandbox_id=f"{node}.{uuid.uuid4().hex[:16]}",
-            pool="default",
-            template=TemplateSpec(name="plain", image=BASE_IMAGE),
-            request_id="r1",
-        )
-        try:
-            sandbox, _ = await agent.create(req)
-            await agent.pause(sandbox.id)
-            await agent.hibernate(sandbox.id)
-            grant = LeaseGrant(lease_id="0" * 32, pool="default", request_id="r2")
-            await agent.lease(sandbox.id, grant)
-            container = docker_client.containers.get(sandbox.record.container_id)
-            assert container.attrs["Config"]["Entrypoint"] == ["/.dsec/sh", "/.dsec/boot"]
-            top = container.top(ps_args="-o pid,args")["Processes"]
-            assert sorted(args for _, args in top) == sorted(
-                ["/sbin/docker-init -- /.dsec/sh /.dsec/boot sleep 2147483647",
-                 "sleep 2147483647", THROUGH_LOOP]
-            )  # fmt: skip
-            assert not container.attrs["ExecIDs"] and not agent.resident.starting
-        finally:
-            await agent.remove_all()
-    await docker.close()
-    assert not pool_containers(docker_client, node)
+    async with inprocess_sandbox(docker_client, tmp_path) as (agent, sandbox):
+        await agent.pause(sandbox.id)
+        await agent.hibernate(sandbox.id)
+        grant = LeaseGrant(lease_id="0" * 32, pool="default", request_id="r2")
+        await agent.lease(sandbox.id, grant)
+        container = docker_client.containers.get(sandbox.record.container_id)
+        assert container.attrs["Config"]["Entrypoint"] == ["/.dsec/sh", "/.dsec/boot"]
+        top = container.top(ps_args="-o pid,args")["Processes"]
+        assert sorted(args for _, args in top) == sorted(
+            ["/sbin/docker-init -- /.dsec/sh /.dsec/boot sleep 2147483647",
+             "sleep 2147483647", THROUGH_LOOP]
+        )  # fmt: skip
+        assert not container.attrs["ExecIDs"] and not agent.resident.starting

@@ -350,68 +350,46 @@ def test_a_sandboxs_row_says_when_its_command_ended_without_a_change_of_its_own(
     assert sb.row(6.0).state == S.LEASED
 
 
-def one_sim_node(recyclable: bool):
-    """Simulated agents with one node, where an exec costs the engine 0.1 s of work,
-    and a create of a sandbox there of a template that may be recycled or not."""
+# how the simulator took a command: (the sandbox's loop runs, engine execs + 10 x
+# commands handed to the loop, under way)
+ENGINE_EXEC, TO_LOOP = (False, 1), (True, 10)
+
+
+@pytest.mark.parametrize(
+    ("recyclable", "handed"),
+    [(True, [ENGINE_EXEC, TO_LOOP]), (False, [TO_LOOP, TO_LOOP])],
+)
+def test_a_new_sandboxs_commands_are_engine_execs_until_its_command_loop_starts(recyclable, handed):
+    """As live: a create of a template that may be recycled is followed by the
+    detached engine exec that starts the sandbox's command loop; a command before that
+    is an engine exec (the engine's work, with an exec rate), one after it is handed to
+    the loop (load only). A template that may not be recycled starts the loop with its
+    container (agent/resident.py, BOOT_SCRIPT): its first command is the loop's, and the
+    engine does no exec for it."""
     profile = Profile({op: [0.01] for op in OPS}, under_load={"create": {1: [0.01]}})
     profile.engine_rates_per_s = {"exec": 10.0}
+    loop = VirtualTimeLoop()
     agents = SimAgents(profile, random.Random(0), shared_engine=False)
     node = agents.add_node("n", "local", Resources(4, 4096, 4), {"img"})
+    address = SimpleNamespace(id="n", url="sim://n")
     template = TemplateSpec(name="t", image="img", recyclable=recyclable)
     spec = CreateSandbox(sandbox_id="n.0000000000000001", pool="p", template=template,
                          request_id="r")  # fmt: skip
-    return agents, node, SimpleNamespace(id="n", url="sim://n"), spec
-
-
-def test_a_new_sandboxs_commands_are_engine_execs_until_its_command_loop_starts():
-    """As live, for a template that may be recycled: a create is followed by the
-    detached engine exec that starts the sandbox's command loop; a command before that
-    is an engine exec (the engine's work, with an exec rate), one after it is handed to
-    the loop (load only)."""
-    loop = VirtualTimeLoop()
-    agents, node, address, spec = one_sim_node(recyclable=True)
     seen: list[tuple[bool, int]] = []
 
     async def main() -> None:
         assert (await agents.create(address, spec)).ok
         sb = node.sandboxes[spec.sandbox_id]
-        now = loop.time()
-        agents.run_command("n", spec.sandbox_id, now, 0.01, 1.0)  # before the loop runs
-        await asyncio.sleep(0)
-        seen.append((sb.loop_started, node.engine.in_windows[2]))
-        await asyncio.sleep(2.0)  # the loop's start: an exec's work, behind that command's
-        now = loop.time()
-        agents.run_command("n", spec.sandbox_id, now, 0.01, 1.0)
-        await asyncio.sleep(0)
-        seen.append((sb.loop_started, node.engine.in_windows[2] + 10 * node.engine.in_windows[0]))
-        await asyncio.sleep(2.0)
+        for _ in range(2):  # the first at once; the second once a loop's start is done
+            agents.run_command("n", spec.sandbox_id, loop.time(), 0.01, 1.0)
+            await asyncio.sleep(0)
+            windows = node.engine.in_windows
+            seen.append((sb.loop_started, windows[2] + 10 * windows[0]))
+            await asyncio.sleep(2.0)
 
     try:
         loop.run_until_complete(main())
     finally:
         loop.close()
-    assert seen == [(False, 1), (True, 10)]
-    assert not node.engine.execs and not agents.background
-
-
-def test_a_sandbox_that_is_never_recycled_has_its_command_loop_from_its_create():
-    """As live (agent/resident.py, BOOT_SCRIPT): its container starts the loop, so its
-    first command is handed to the loop, and the engine does no exec for it."""
-    loop = VirtualTimeLoop()
-    agents, node, address, spec = one_sim_node(recyclable=False)
-    seen: list[tuple[bool, int]] = []
-
-    async def main() -> None:
-        assert (await agents.create(address, spec)).ok
-        sb = node.sandboxes[spec.sandbox_id]
-        agents.run_command("n", spec.sandbox_id, loop.time(), 0.01, 1.0)
-        await asyncio.sleep(0)
-        seen.append((sb.loop_started, node.engine.in_windows[2] + 10 * node.engine.in_windows[0]))
-        await asyncio.sleep(2.0)
-
-    try:
-        loop.run_until_complete(main())
-    finally:
-        loop.close()
-    assert seen == [(True, 10)]
+    assert seen == handed
     assert not node.engine.execs and not agents.background
