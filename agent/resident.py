@@ -165,7 +165,7 @@ def command_script(argv: list[str], env: dict[str, str], workdir: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _open_fifo(dir_fd: int, name: str, flags: int) -> int:
+def _open_fifo(dir_fd: int | None, name: str, flags: int) -> int:
     return os.open(name, flags | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
 
 
@@ -188,12 +188,11 @@ class BootWord:
         self.holder: int | None = None
 
     async def open(self) -> None:
-        flags = os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC
-        pipe = os.fdopen(os.open(self.path, os.O_RDONLY | flags), "rb", buffering=0)
+        pipe = os.fdopen(_open_fifo(None, str(self.path), os.O_RDONLY), "rb", buffering=0)
         self.transport, _ = await asyncio.get_running_loop().connect_read_pipe(
             lambda: asyncio.StreamReaderProtocol(self.reader), pipe
         )
-        self.holder = os.open(self.path, os.O_WRONLY | flags)
+        self.holder = _open_fifo(None, str(self.path), os.O_WRONLY)
 
     async def said(self, within_s: float = BOOT_WAIT_S) -> bytes | None:
         """BOOTED or NO_COMMAND; None when nothing came in time (the engine slow to
