@@ -196,7 +196,7 @@ class BootWord:
 
     async def said(self, within_s: float = BOOT_WAIT_S) -> bytes | None:
         """BOOTED or NO_COMMAND; None when nothing came in time (the engine slow to
-        run it, or an image whose user cannot run the node's shell)."""
+        run it: a boot that cannot run at all fails the container's start instead)."""
         with contextlib.suppress(
             TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError
         ):
