@@ -19,7 +19,7 @@ import pytest
 import pytest_asyncio
 from inprocess import InProcessControlPlane, inprocess_controlplane
 
-from agent.docker_driver import LABEL_NODE, LABEL_SANDBOX
+from agent.docker_driver import LABEL_NODE, LABEL_SANDBOX, RUNC_INIT_DIED
 from dsec.cli.up import LocalPool, LocalPoolSpec
 from dsec.client import Client
 from dsec.image import ensure_base_image
@@ -206,8 +206,21 @@ async def take_pids(container) -> None:
 
 
 async def take_last_pid(container) -> None:
-    """After `take_pids`: the last one too, by an engine exec, which joins past the limit."""
-    await asyncio.to_thread(container.exec_run, ["sleep", "1001"], detach=True)
+    """After `take_pids`: the last one too, by an engine exec, which joins past the limit.
+    At the limit runc's init sometimes dies before the command starts (RUNC_INIT_DIED:
+    its own threads count against the limit), so it is started again, as the agent
+    does (agent/execs.py); an exec that says so did not start."""
+
+    async def started() -> bool:
+        try:
+            await asyncio.to_thread(container.exec_run, ["sleep", "1001"], detach=True)
+        except docker.errors.APIError as e:
+            if RUNC_INIT_DIED.decode() not in str(e.explanation):
+                raise
+            return False
+        return True
+
+    await eventually(started, "an engine exec whose runc init lived", timeout=30)
 
     async def taken() -> bool:
         return "sleep 1001" in await commands_running(container)
