@@ -41,6 +41,9 @@ RUNC_INIT_DIED = b"read init-p"
 # the oldest output dropped, so no sandbox can fill the host's disk through it.
 LOG_MAX_SIZE = "1m"
 LIFECYCLE_SLOTS = 8  # lifecycle calls given to the engine at once; the rest wait their turn
+# how long a write to a command's input waits before the agent looks whether the command
+# has ended (Process.write): a command reads its input at its own pace meanwhile
+STDIN_STALL_CHECK_S = 0.5
 ENGINE_UNREACHABLE = 900  # aiodocker's status for a connection that failed
 RESIDENT_MOUNT = "/.dsec"  # where a sandbox sees its command loop's directory
 # Who runs the init and the template's command of a sandbox that may be recycled: not
@@ -169,14 +172,35 @@ class Process:
         return None if msg is None else (msg.stream, msg.data)
 
     async def write(self, data: bytes) -> None:
-        if self._transport() is None:  # the command ended and the engine closed its input
+        """Give `data` to the command's input, once the engine has taken it.
+
+        A command that ends without reading all its input (a write that found the disk
+        full, `head -c 3`) leaves the engine reading none of the rest, while it keeps
+        the connection and the output open until that input ends, which a write the
+        engine does not take can never say. So a write that waits is checked against
+        the command's end; once it has ended the connection is cut, its output ends
+        there, and its exit code says the rest."""
+        connection = self._connection()
+        if connection is None or connection.transport is None:  # the engine closed it
             raise DockerOpError("exec_stdin", "closed", "the command's input is closed")
+        transport, protocol = connection.transport, connection.protocol
+        # as aiodocker's Stream.write_in, with the wait for the engine to take it apart
+        transport.write(data)
+        taken = asyncio.ensure_future(protocol._drain_helper())  # type: ignore[union-attr]
         try:
-            await self.stream.write_in(data)
+            while not (await asyncio.wait({taken}, timeout=STDIN_STALL_CHECK_S))[0]:
+                if await self.exit_code() is not None:
+                    transport.abort()
+                    raise DockerOpError(
+                        "exec_stdin", "closed", "the command ended without reading all its input"
+                    )
+            taken.result()
         except (aiohttp.ClientError, OSError, RuntimeError) as e:
             raise DockerOpError(
                 "exec_stdin", "closed", f"the command's input is closed: {e}"
             ) from e
+        finally:
+            taken.cancel()  # when the connection was cut under it, or we were cancelled
 
     def close_stdin(self) -> None:
         """End of input: the command reads EOF, its output still comes."""
@@ -211,11 +235,13 @@ class Process:
         with contextlib.suppress(aiohttp.ClientError, OSError, RuntimeError):
             await self.stream.close()
 
-    def _transport(self) -> asyncio.Transport | None:
+    def _connection(self) -> aiohttp.connector.Connection | None:
         resp = self.stream._resp  # aiodocker keeps the hijacked connection here
-        if resp is None or resp.connection is None:
-            return None
-        return resp.connection.transport  # type: ignore[return-value]
+        return None if resp is None else resp.connection
+
+    def _transport(self) -> asyncio.Transport | None:
+        connection = self._connection()
+        return None if connection is None else connection.transport  # type: ignore[return-value]
 
 
 class AsyncDocker:

@@ -22,6 +22,7 @@ from conftest import eventually, make_spec, started_pool
 from agent.docker_driver import KEEPER_USER, LABEL_SANDBOX
 from dsec.cli.up import LocalPool
 from dsec.client import Client, Sandbox
+from dsec.httpkit import BODY_IDLE_TIMEOUT_S
 from dsec.models import SandboxInfo
 from dsec.states import SandboxState
 from dsec.tokens import NO_EXPIRY, lease_token, new_lease_id
@@ -239,6 +240,16 @@ async def test_stdin_reaches_the_command_byte_for_byte(sb, http):
     assert last["exit_code"] == 0
 
 
+async def test_a_command_that_stops_reading_its_stdin_ends_its_stream(sb, http):
+    """The command reads 3 bytes of the 8 MiB sent and exits; the client never ends its
+    input. Its exit comes all the same (the engine keeps the output open until the input
+    ends, and takes none of it once the command is gone)."""
+    request = {"cmd": ["head", "-c", "3"], "stdin": True, "timeout_s": 30}
+    chunks, last, _ = await stream(http, sb, request, [b"y" * (MiB // 2)] * 16)
+    assert b"".join(d for s, d, _ in chunks if s == 1) == b"yyy"
+    assert (last["exit_code"], last["timed_out"]) == (0, False), last
+
+
 async def test_stdin_after_the_command_ended_is_answered_409(sb, http):
     async with http.ws_connect(url(sb, "exec/stream"), headers=auth(sb)) as ws:
         await ws.send_str(json.dumps({"cmd": ["true"], "stdin": True}))
@@ -349,12 +360,20 @@ async def test_a_file_past_the_space_is_413_and_leaves_nothing(sb, http):
     status, answer = await put(http, sb, "/tmp/big", b"x" * (65 * MiB))
     assert (status, answer["error"]["code"]) == (413, "file_too_large")
 
+    answered = asyncio.Event()
+
     async def chunked() -> AsyncIterator[bytes]:  # undeclared: the file system says no
         for _ in range(70):
             yield b"y" * MiB
+        await answered.wait()  # and the body stays open until then
 
-    status, answer = await put(http, sb, "/tmp/big", chunked())
-    assert (status, answer["error"]["code"]) == (413, "file_too_large")
+    # The answer comes while the client still sends: once its write failed, the script's
+    # end is seen though the engine takes no more of its input (before, the agent waited
+    # on that input for as long as the engine held the connection: 15 to 94 s here).
+    async with asyncio.timeout(BODY_IDLE_TIMEOUT_S):  # the agent waits on no body meanwhile
+        status, answer = await put(http, sb, "/tmp/big", chunked())
+    answered.set()
+    assert (status, answer["error"]["code"]) == (413, "file_too_large"), answer
     left = await run(http, sb, ["sh", "-c", "ls -A /tmp; df -k /tmp | tail -1"])
     assert "big" not in left["stdout"] and "dsec" not in left["stdout"], left["stdout"]
 
