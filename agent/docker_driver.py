@@ -184,7 +184,8 @@ class Process:
         if connection is None or connection.transport is None:  # the engine closed it
             raise DockerOpError("exec_stdin", "closed", "the command's input is closed")
         transport, protocol = connection.transport, connection.protocol
-        # as aiodocker's Stream.write_in, with the wait for the engine to take it apart
+        # what aiodocker's Stream.write_in does, with its wait for the engine to take
+        # the bytes (the drain) watched here instead of awaited blindly
         transport.write(data)
         taken = asyncio.ensure_future(protocol._drain_helper())  # type: ignore[union-attr]
         try:
