@@ -178,8 +178,9 @@ class Process:
         full, `head -c 3`) leaves the engine reading none of the rest, while it keeps
         the connection and the output open until that input ends, which a write the
         engine does not take can never say. So a write that waits is checked against
-        the command's end; once it has ended the connection is cut, its output ends
-        there, and its exit code says the rest."""
+        the command's end; once it has ended (the engine records the end before it has
+        passed on the last output) and a check's time has passed, the connection is cut,
+        its output ends there, and its exit code says the rest."""
         connection = self._connection()
         if connection is None or connection.transport is None:  # the engine closed it
             raise DockerOpError("exec_stdin", "closed", "the command's input is closed")
@@ -188,13 +189,15 @@ class Process:
         # the bytes (the drain) watched here instead of awaited blindly
         transport.write(data)
         taken = asyncio.ensure_future(protocol._drain_helper())  # type: ignore[union-attr]
+        ended = False
         try:
             while not (await asyncio.wait({taken}, timeout=STDIN_STALL_CHECK_S))[0]:
-                if await self.exit_code() is not None:
+                if ended:  # what it wrote before its end has had a check's time to come
                     transport.abort()
                     raise DockerOpError(
                         "exec_stdin", "closed", "the command ended without reading all its input"
                     )
+                ended = await self.exit_code() is not None
             taken.result()
         except (aiohttp.ClientError, OSError, RuntimeError) as e:
             raise DockerOpError(

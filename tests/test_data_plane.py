@@ -241,12 +241,14 @@ async def test_stdin_reaches_the_command_byte_for_byte(sb, http):
 
 
 async def test_a_command_that_stops_reading_its_stdin_ends_its_stream(sb, http):
-    """The command reads 3 bytes of the 8 MiB sent and exits; the client never ends its
-    input. Its exit comes all the same (the engine keeps the output open until the input
-    ends, and takes none of it once the command is gone)."""
-    request = {"cmd": ["head", "-c", "3"], "stdin": True, "timeout_s": 30}
+    """The command reads 3 bytes of the 8 MiB sent, writes 200 kB and exits; the client
+    never ends its input. Its exit comes all the same (the engine keeps the output open
+    until the input ends, and takes none of it once the command is gone), after all its
+    output."""
+    script = "head -c 3; head -c 200000 /dev/zero | tr '\\0' x"
+    request = {"cmd": ["sh", "-c", script], "stdin": True, "timeout_s": 30}
     chunks, last, _ = await stream(http, sb, request, [b"y" * (MiB // 2)] * 16)
-    assert b"".join(d for s, d, _ in chunks if s == 1) == b"yyy"
+    assert b"".join(d for s, d, _ in chunks if s == 1) == b"yyy" + b"x" * 200_000
     assert (last["exit_code"], last["timed_out"]) == (0, False), last
 
 
