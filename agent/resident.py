@@ -550,23 +550,19 @@ class Resident:
         running = self.running.setdefault(sandbox.id, set())
         running.add(proc)
         proc.on_close = lambda: _forget(self.running, sandbox.id, proc)
-        if not await self._runs(sandbox, proc):
+        if not await self._runs(proc):
             await proc.close()  # never ran: the engine's exec, which needs no fork inside
             return None
         return proc
 
-    async def _runs(self, sandbox: Sandbox, proc: ResidentProcess) -> bool:
+    async def _runs(self, proc: ResidentProcess) -> bool:
         """Whether the command runs, or may yet. Not when the loop or its copy says it
         never ran, nor when nothing came and the loop has gone: a fork that fails ends
         the shell that made it, the loop's own too (a sandbox with no pid left). The
         loop is then started again, as one a tenant killed."""
         if not await proc.runs(ACK_WAIT_S):
             return False
-        loop = sandbox.loop
-        if proc.answered.is_set() or proc.opened or loop is None or loop.alive():
-            return True
-        sandbox.loop = None
-        return False
+        return proc.answered.is_set() or proc.opened or _loop_reads_ctl(proc.dir_fd)
 
 
 @contextlib.asynccontextmanager
@@ -586,6 +582,19 @@ async def _unchanging(sandbox: Sandbox, container_id: str) -> AsyncIterator[bool
             and sandbox.state in LOOP_STATES
             and sandbox.record.container_id == container_id
         )
+
+
+def _loop_reads_ctl(dir_fd: int) -> bool:
+    """Whether a loop still reads ctl. The loop holds it open for reading as long as it
+    runs, and nothing else of the sandbox's does (but a tenant's process that opens it,
+    which fools only its own commands): a loop that has gone leaves no reader. Known so
+    whether the loop started with its container, whose PID the agent never learns, or by
+    an engine exec that answered before the loop's program ran."""
+    try:
+        os.close(_open_fifo(dir_fd, "ctl", os.O_WRONLY))
+    except OSError as e:
+        return e.errno != errno.ENXIO  # anything else (the sandbox gone): as any command
+    return True
 
 
 def _forget(running: dict[str, set[ResidentProcess]], sandbox_id: str, proc: ResidentProcess):

@@ -179,14 +179,19 @@ async def test_an_engine_exec_that_ran_is_not_started_again_whatever_it_says(sb)
     await loop_serving(sb)
 
 
-async def test_a_sandbox_with_no_pid_left_runs_commands_through_the_engine(pool, docker_client):
+@pytest.mark.parametrize("template", ["base", "plain"], ids=["exec", "boot"])
+async def test_a_sandbox_with_no_pid_left_runs_commands_through_the_engine(
+    pool, booting, docker_client, template
+):
     """A fork inside the sandbox fails at its pids limit, so the loop cannot start a
     command: it says so, or its own failed fork ends it, and the command takes the
     engine's exec, which joins the sandbox from outside (before, the command waited out
-    its whole timeout)."""
+    its whole timeout: always where the container's boot started the loop, and where an
+    engine exec did, when the engine answered before the loop's program ran)."""
     events = ["sh", "-c", "read l < /sys/fs/cgroup/pids/pids.events; echo $PPID $l"]
+    pool = booting if template == "plain" else pool  # whose loop its container starts
     async with Client(pool.url, token=pool.tokens.client) as c:
-        async with c.sandbox() as sandbox:
+        async with c.sandbox(template=template) as sandbox:
             await loop_serving(sandbox)
             container = docker_client.containers.get(f"dsec-{sandbox.id}")
             await take_pids(container)
