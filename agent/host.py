@@ -133,11 +133,6 @@ class LoopProcess:
         fields = _stat_fields(pid)
         return cls(pid, int(fields[19])) if fields is not None else None
 
-    def alive(self) -> bool:
-        """Whether it still runs (not ended, nor a zombie, nor its PID another's)."""
-        fields = _stat_fields(self.pid)
-        return fields is not None and fields[0] != "Z" and int(fields[19]) == self.started
-
     def runs(self, program: os.stat_result) -> bool:
         """Whether it runs `program` (that file, not one of the same name)."""
         try:

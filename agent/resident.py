@@ -501,7 +501,10 @@ class Resident:
                     hold=lambda: _unchanging(sandbox, container_id),
                 )
                 started = pid is not None
-                sandbox.loop = self._identify(pid) if pid else None
+                # known by PID and start time, which the loop's exec keeps: the engine
+                # may answer before runc's init has become the loop's shell, so what it
+                # runs is left for a reset to check (agent/host.py), as it does anyway
+                sandbox.loop = LoopProcess.of(pid) if pid else None
             except DockerOpError as e:  # gone, or no sh: commands take the engine's exec
                 agent.docker_failed(e)
             finally:
@@ -512,13 +515,6 @@ class Resident:
         task = asyncio.ensure_future(start())
         agent.operations.add(task)
         task.add_done_callback(agent.operations.discard)
-
-    def _identify(self, pid: int) -> LoopProcess | None:
-        """The loop just started, as a reset will know it again: only one that runs the
-        node's execute-only shell may outlive a lease."""
-        shell = self.node_shell()
-        found = LoopProcess.of(pid)
-        return found if shell is not None and found and found.runs(shell) else None
 
     async def start(
         self, sandbox: Sandbox, argv: list[str], env: dict[str, str], workdir: str
