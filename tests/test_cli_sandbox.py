@@ -10,13 +10,16 @@ exit status, never a traceback.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import fcntl
+import importlib
 import json
 import os
 import pty
 import struct
+import sys
 import termios
 import time
 from collections.abc import AsyncIterator
@@ -28,6 +31,7 @@ from agent_double import DoublePool, double_pool
 from conftest import eventually
 from inprocess import InProcessControlPlane, inprocess_controlplane
 
+from dsec.cli import TOPIC_OF
 from dsec.processes import dsec_argv
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -202,6 +206,53 @@ async def test_an_unreachable_pool_is_one_line():
     assert code == FAILED and "no answer from http://127.0.0.1:9" in err, err
     code, _, err = await dsec("release", "n.0123456789abcdef", env=env)
     assert code == 1 and "no answer" in err, err
+
+
+# Which of the CLI's topic modules (dsec/cli/) a fresh interpreter has imported once it
+# has built the parser of a command line, and which its parser offers.
+TOPICS_IMPORTED = """
+import re
+import sys
+from dsec.cli import build_parser
+parser = build_parser(sys.argv[1:])
+topics = {m.split(".")[2] for m in sys.modules if re.fullmatch(r"dsec\\.cli\\.\\w+", m)}
+print(*sorted(topics - {"common", "remote"}))
+print(*sorted(m for m in ("docker", "agent", "controlplane", "bench") if m in sys.modules))
+print(re.search(r"{(.*?)}", parser.format_usage(), re.S).group(1).replace(",", " "))
+"""
+
+
+async def test_each_topic_registers_the_commands_the_table_gives_it():
+    """dsec.cli.TOPIC_OF, by which a command line imports its command's topic alone,
+    says what each topic registers, in the order help lists them."""
+    registered: dict[str, str] = {}
+    for topic in dict.fromkeys(TOPIC_OF.values()):
+        commands = argparse.ArgumentParser().add_subparsers()
+        importlib.import_module(f"dsec.cli.{topic}").register(commands)
+        registered.update(dict.fromkeys(commands.choices, topic))
+    assert list(registered.items()) == list(TOPIC_OF.items())
+
+
+async def topics_imported(*argv: str) -> list[str]:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", TOPICS_IMPORTED, *argv, stdout=asyncio.subprocess.PIPE, cwd=REPO
+    )
+    out, _ = await proc.communicate()
+    assert proc.returncode == 0
+    return out.decode().splitlines()
+
+
+async def test_a_command_line_imports_its_own_topic_alone():
+    """`dsec exec` (and a worker may run one per command) imports neither the other
+    topics nor what they need: the Docker SDK, agent/, controlplane/, bench/. A line
+    that names no known command gets them all, to list them."""
+    topics, services, commands = await topics_imported("--log-level", "INFO", "exec", "x")
+    assert (topics, services) == ("sandbox", "")
+    assert commands.split() == [c for c, topic in TOPIC_OF.items() if topic == "sandbox"]
+    topics, services, commands = await topics_imported("no-such-command")
+    assert topics.split() == sorted(set(TOPIC_OF.values()))
+    assert services.split() == ["agent", "bench", "controlplane", "docker"]
+    assert commands.split() == list(TOPIC_OF)
 
 
 # --- exec, shell and cp, on the agent double -----------------------------------------

@@ -10,12 +10,16 @@ they share, `remote` what the commands that call a running pool share.
 
 The topic modules are imported when the parser is built, not with the package: bench/
 starts pools with dsec.cli.up, and a package that imported bench/ on its way in would
-make that a circular import.
+make that a circular import. A command line that names its command imports that
+command's topic alone: all of them (the Docker SDK, agent/, controlplane/, bench/) took
+about a third of a `dsec exec`'s start, paid on every call of a worker that runs its
+commands through the CLI.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import os
 import sys
@@ -24,20 +28,59 @@ from dsec.cli.common import UsageError, format_table
 
 __all__ = ["UsageError", "build_parser", "format_table", "main"]
 
+# Each command's topic module, in the order help lists them (tests/test_edges.py checks
+# this against what each topic registers).
+TOPIC_OF = {
+    "up": "up",
+    "ray": "ray",
+    "controlplane": "services",
+    "agent": "services",
+    "status": "services",
+    "acquire": "sandbox",
+    "exec": "sandbox",
+    "shell": "sandbox",
+    "cp": "sandbox",
+    "release": "sandbox",
+    "pool": "pool",
+    "node": "node",
+    "plan": "plan",
+    "bench": "bench",
+}
 
-def build_parser() -> argparse.ArgumentParser:
-    from dsec.cli import bench, node, plan, pool, ray, sandbox, services, up
 
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The parser of every command; of `argv`'s command alone where it names one."""
     parser = argparse.ArgumentParser(prog="dsec", description=__doc__.splitlines()[0])
-    parser.add_argument("--log-level", default=os.environ.get("DSEC_LOG_LEVEL", "WARNING"))
+    _add_own_options(parser)
+    command = _command_in(argv) if argv is not None else None
+    topics = [TOPIC_OF[command]] if command in TOPIC_OF else list(dict.fromkeys(TOPIC_OF.values()))
     sub = parser.add_subparsers(dest="command", required=True)
-    for topic in (up, ray, services, sandbox, pool, node, plan, bench):
-        topic.register(sub)
+    for topic in topics:
+        importlib.import_module(f"dsec.cli.{topic}").register(sub)
     return parser
 
 
+def _add_own_options(parser: argparse.ArgumentParser) -> None:
+    """dsec's options before its command."""
+    parser.add_argument("--log-level", default=os.environ.get("DSEC_LOG_LEVEL", "WARNING"))
+
+
+def _command_in(argv: list[str]) -> str | None:
+    """The command `argv` names: its first word past dsec's own options, read as the
+    full parser reads them (help, and the error of a line it cannot read, are left to
+    that parser)."""
+    own = argparse.ArgumentParser(add_help=False, exit_on_error=False)
+    _add_own_options(own)
+    try:
+        _, rest = own.parse_known_args(argv)
+    except argparse.ArgumentError:
+        return None
+    return rest[0] if rest and not rest[0].startswith("-") else None
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv).parse_args(argv)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
     )
