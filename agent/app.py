@@ -38,7 +38,6 @@ from dsec.httpkit import (
     require_token,
     route_of,
     sandbox_id_param,
-    validation_details,
 )
 from dsec.models import (
     SANDBOX_ID_RE,
@@ -55,6 +54,7 @@ from dsec.models import (
     Released,
     ResetSandbox,
     SandboxReport,
+    validation_details,
 )
 from dsec.states import SandboxState
 

@@ -37,7 +37,6 @@ from dsec.httpkit import (
     require_token,
     sandbox_id_param,
     token_matches,
-    validation_details,
 )
 from dsec.models import (
     MAX_REPORT_BYTES,
@@ -61,6 +60,7 @@ from dsec.models import (
     SandboxInfo,
     SandboxList,
     Usage,
+    validation_details,
 )
 from dsec.states import ASSIGNED, SandboxState
 from dsec.tokens import LEASE_TOKEN_HEADER, client_id

@@ -22,7 +22,7 @@ from aiohttp import web
 from pydantic import BaseModel, Field, ValidationError
 from pydantic.json_schema import models_json_schema
 
-from dsec.models import SANDBOX_ID_RE, ErrorResponse
+from dsec.models import SANDBOX_ID_RE, ErrorResponse, validation_details
 
 log = logging.getLogger(__name__)
 
@@ -83,10 +83,6 @@ async def json_errors(request: web.Request, handler: Handler) -> web.StreamRespo
     except Exception:  # a bug: answer in JSON and keep serving
         log.exception("unhandled error in %s %s", request.method, request.path)
         return error_response(500, "internal_error", "internal error; see the service log")
-
-
-def validation_details(e: ValidationError) -> list[dict]:
-    return [{"loc": ".".join(str(p) for p in err["loc"]), "msg": err["msg"]} for err in e.errors()]
 
 
 async def read_model(request: web.Request, model: type[M]) -> M:

@@ -17,6 +17,7 @@ from pydantic import (
     ConfigDict,
     Field,
     StringConstraints,
+    ValidationError,
     create_model,
     model_validator,
 )
@@ -75,6 +76,11 @@ class ErrorBody(Wire):
 
 class ErrorResponse(Wire):
     error: ErrorBody
+
+
+def validation_details(e: ValidationError) -> list[dict]:
+    """An ErrorBody's details for a validation error: where, and what is wrong there."""
+    return [{"loc": ".".join(str(p) for p in err["loc"]), "msg": err["msg"]} for err in e.errors()]
 
 
 # --- client <-> control plane --------------------------------------------

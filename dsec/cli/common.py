@@ -8,7 +8,7 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from dsec.addresses import check_advertise_url
-from dsec.httpkit import validation_details
+from dsec.models import validation_details
 
 DEFAULT_STATE_DIR = Path.home() / ".dsec"
 DASHBOARD_HINT = (
