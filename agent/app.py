@@ -21,7 +21,7 @@ from agent import runtime
 from agent.audit import AuditRecords, RefusalRecord
 from agent.docker_driver import DockerOpError
 from agent.files import checked_path
-from agent.node import Agent
+from agent.node import SHUTDOWN_WAIT_S, Agent
 from agent.report import node_report, sandbox_report
 from agent.resident import RunningCommand
 from agent.sandboxes import Sandbox
@@ -503,7 +503,7 @@ def create_agent_app(agent: Agent) -> web.Application:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         # the control plane's requests cut short by the shutdown finish first
-        await agent.settle()
+        await agent.settle(within_s=SHUTDOWN_WAIT_S)
         if agent.config.cleanup_on_exit:
             await agent.remove_all()
         await agent.store.close()

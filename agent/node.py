@@ -68,6 +68,11 @@ HIBERNATED_REPOSITORY = "dsec-hibernated"
 RESET_ROUNDS = 3  # kills a reset tries before it gives up on commands that keep running
 RESET_EXEC_WAIT_S = 2.0  # how long a round waits for the killed commands' calls to end
 REMOVE_ALL_ROUNDS = 3  # looks at what is left when the agent stops
+# A stopping agent waits at most this long for the operations under way, and as long
+# again for its sandboxes' removals; then it removes whatever container of the node is
+# left, whatever holds it (an engine call that never answers), within the grace its
+# supervisor gives it before a SIGKILL (dsec.processes.STOP_GRACE_S).
+SHUTDOWN_WAIT_S = 15.0
 RESET_TIMEOUT_S = 60.0  # a reset that takes longer is stuck: the sandbox goes
 
 
@@ -644,16 +649,37 @@ class Agent:
             log.error("audit record for %s not written: %s", record.sandbox, e)
 
     async def remove_all(self) -> None:
+        """Remove every sandbox of the node, at shutdown: through `destroy`, for at most
+        SHUTDOWN_WAIT_S; then every container labelled with the node that is still there
+        (one whose removal something stuck holds up, or a create's not yet recorded)."""
         self.stopping = True  # no create starts from here
-        for _ in range(REMOVE_ALL_ROUNDS):  # a create under way at the first is gone by the next
-            if not self.sandboxes:
-                break
-            for sandbox_id in list(self.sandboxes):
-                with contextlib.suppress(ApiError):
-                    await self.destroy(sandbox_id)
-            await self.settle()  # the removals destroy leaves for a quiet engine
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(SHUTDOWN_WAIT_S):
+                # a create under way at the first round is gone by the next
+                for _ in range(REMOVE_ALL_ROUNDS):
+                    if not self.sandboxes:
+                        break
+                    for sandbox_id in list(self.sandboxes):
+                        with contextlib.suppress(ApiError):
+                            await self.destroy(sandbox_id)
+                    await self.settle()  # the removals destroy leaves for a quiet engine
+        try:
+            left = await self.docker.list_labelled(self.config.node_id)
+        except DockerOpError as e:
+            log.warning("the node's containers left at shutdown cannot be listed: %s", e)
+            return
+        for container in left:
+            log.warning("removing container %s, left at shutdown", container.container_id[:12])
+            with contextlib.suppress(DockerOpError):
+                await self.docker.remove(container.container_id, Work.CLIENT)
 
-    async def settle(self) -> None:
-        """Wait for every operation under way, and for what those start in turn."""
-        while self.operations:
-            await asyncio.gather(*list(self.operations), return_exceptions=True)
+    async def settle(self, within_s: float | None = None) -> None:
+        """Wait for every operation under way, and for what those start in turn; for at
+        most `within_s`, past which what is still under way is named in the log."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(within_s):
+                while self.operations:
+                    await asyncio.gather(*list(self.operations), return_exceptions=True)
+                return
+        stuck = sorted(t.get_coro().__qualname__ for t in self.operations)
+        log.warning("going on after %s s without %d operations: %s", within_s, len(stuck), stuck)

@@ -31,6 +31,12 @@ MAX_BODY_BYTES = 1024 * 1024
 # take as long as it needs, but no byte for this long ends it
 BODY_TIMEOUT_S = 30.0
 BODY_IDLE_TIMEOUT_S = 60.0
+# How long a stopping service lets the requests in progress finish before it cancels
+# them (aiohttp waits that long, then as long again for the cancelled): a client's long
+# command or stream must not hold it past its supervisor's grace
+# (dsec.processes.STOP_GRACE_S), nor keep an agent from removing its sandboxes.
+REQUESTS_GRACE_S = 5.0
+
 M = TypeVar("M", bound=BaseModel)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -390,6 +396,7 @@ async def serve(
         handler_cancellation=True,
         access_log=None,
         keepalive_timeout=limits.idle_timeout_s,
+        shutdown_timeout=REQUESTS_GRACE_S,
     )
     await runner.setup()
     assert runner.server is not None

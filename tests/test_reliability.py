@@ -1,4 +1,5 @@
-"""A node's Docker engine fails: it restarts, or its disk fills up.
+"""A node's Docker engine fails: it restarts, or its disk fills up; a node is stopped
+while its commands run.
 
 One node of the pool runs on a private Docker engine this module starts (its own data
 root on a small tmpfs, its own socket), so the tests can restart that engine and fill
@@ -7,8 +8,10 @@ its disk for real while the rest of the pool, on the shared engine, keeps servin
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import shutil
+import signal
 import subprocess
 import tempfile
 import time
@@ -21,15 +24,24 @@ import aiohttp
 import docker
 import pytest
 import pytest_asyncio
-from conftest import ExtraAgent, eventually, make_spec, start_agent, started_pool
+from conftest import (
+    ExtraAgent,
+    commands_running,
+    eventually,
+    make_spec,
+    pool_containers,
+    start_agent,
+    started_pool,
+)
 from prometheus_client.parser import text_string_to_metric_families
 
 from agent.docker_driver import LABEL_NODE
 from controlplane.config import default_templates
 from dsec.cli.up import LocalPool
 from dsec.client import Client, DsecError, Sandbox
-from dsec.image import ensure_base_image
+from dsec.image import BASE_IMAGE, ensure_base_image
 from dsec.models import Capacity, NodeInfo, PoolParams, TemplateSpec
+from dsec.processes import STOP_GRACE_S
 
 PRIVATE_HOST = "127.0.0.9"  # LocalPool gives its own agents 127.0.0.2 upwards
 DISK_MB = 200
@@ -324,3 +336,66 @@ async def test_a_template_whose_image_no_node_has_is_refused_at_once(docker_clie
             # the nodes keep serving the templates they can run
             async with client.sandbox(pool="default", template="base", timeout=30) as sb:
                 assert (await sb.exec(["echo", "fine"])).stdout == "fine\n"
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_a_node_stopped_while_commands_run_removes_its_sandboxes_and_exits(
+    pool: LocalPool, client: Client, docker_client
+):
+    """SIGTERM while a client's command runs on the node, and another streams: the agent
+    cuts both short (dsec.httpkit.REQUESTS_GRACE_S), removes every sandbox and exits by
+    itself, well within its supervisor's grace. Before, it waited 60 s for the requests
+    in progress, the whole grace: the SIGKILL that ended it left its containers behind."""
+    node = await start_agent(
+        pool, f"{pool.spec.name}-stop-{uuid.uuid4().hex[:4]}", host=PRIVATE_HOST, slots=2
+    )
+    held: list[Sandbox] = []
+    try:
+        sandbox = await acquire_on(client, node.node_id, held)
+        running = asyncio.create_task(sandbox.exec(["sleep", "1001"], timeout=1000))
+        async with sandbox.exec_stream(["sleep", "1002"]) as stream:
+            container = docker_client.containers.get(f"dsec-{sandbox.id}")
+
+            async def both_run() -> bool:
+                args = await commands_running(container)
+                return "sleep 1001" in args and "sleep 1002" in args
+
+            await eventually(both_run, "both commands to run")
+            node.proc.send_signal(signal.SIGTERM)
+            exit_code = await asyncio.wait_for(node.proc.wait(), STOP_GRACE_S / 2)
+            assert exit_code == 0  # by itself, not the supervisor's SIGKILL
+            assert not pool_containers(docker_client, node.node_id)
+            with pytest.raises(aiohttp.ClientError):  # the connection ended, unanswered
+                await running
+            with pytest.raises(DsecError) as cut:
+                async for _ in stream:
+                    pass
+            assert cut.value.code == "stream_closed", cut.value
+    finally:
+        await node.stop()
+        for sandbox in held:
+            with contextlib.suppress(DsecError):
+                await sandbox.release()
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_a_stopping_node_removes_its_containers_it_has_no_record_of(
+    pool: LocalPool, docker_client
+):
+    """A container labelled with the node but in none of its records (a create whose
+    answer never came back, or a sandbox whose removal something stuck held up) goes
+    with the node's other containers when it stops."""
+    node = await start_agent(
+        pool, f"{pool.spec.name}-sweep-{uuid.uuid4().hex[:4]}", host=PRIVATE_HOST, slots=1
+    )
+    try:
+        unrecorded = docker_client.containers.run(
+            BASE_IMAGE, ["sleep", "1000"], detach=True, network_mode="none",
+            labels={LABEL_NODE: node.node_id},
+        )  # fmt: skip
+        node.proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(node.proc.wait(), STOP_GRACE_S / 2) == 0
+        with pytest.raises(docker.errors.NotFound):
+            unrecorded.reload()
+    finally:
+        await node.stop()
