@@ -189,7 +189,7 @@ async def test_a_sandbox_with_no_pid_left_runs_commands_through_the_engine(
     its whole timeout: always where the container's boot started the loop, and where an
     engine exec did, when the engine answered before the loop's program ran)."""
     events = ["sh", "-c", "read l < /sys/fs/cgroup/pids/pids.events; echo $PPID $l"]
-    pool = booting if template == "plain" else pool  # whose loop its container starts
+    pool = booting if template == "plain" else pool  # "plain" may not be recycled: booted
     async with Client(pool.url, token=pool.tokens.client) as c:
         async with c.sandbox(template=template) as sandbox:
             await loop_serving(sandbox)

@@ -28,7 +28,7 @@ from dsec.cli.common import UsageError, format_table
 
 __all__ = ["UsageError", "build_parser", "format_table", "main"]
 
-# Each command's topic module, in the order help lists them (tests/test_edges.py checks
+# Each command's topic module, in the order help lists them (tests/test_cli_sandbox.py checks
 # this against what each topic registers).
 TOPIC_OF = {
     "up": "up",
