@@ -32,6 +32,7 @@ from dsec.httpkit import (
     Handler,
     bearer_token,
     body_chunks,
+    cancel_and_wait,
     model_response,
     new_app,
     read_model,
@@ -498,10 +499,7 @@ def create_agent_app(agent: Agent) -> web.Application:
         if agent.config.controlplane_url:
             loops.append(asyncio.create_task(runtime.heartbeat_forever(agent), name="heartbeat"))
         yield
-        for task in loops:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(*loops)
         # the control plane's requests cut short by the shutdown finish first
         await agent.settle(within_s=SHUTDOWN_WAIT_S)
         if agent.config.cleanup_on_exit:

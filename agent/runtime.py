@@ -66,7 +66,11 @@ async def check_engine(agent: Agent) -> None:
     """Ping the engine. When it answers again after an outage, reconcile first: an
     engine that restarted has stopped every container (there is no live restore)."""
     try:
-        await asyncio.wait_for(agent.docker.ping(), agent.config.engine_check_timeout_s)
+        # asyncio.timeout, not wait_for: Python 3.11's wait_for returns the result of a
+        # ping that ended as a cancellation came, and this loop then never ended (a
+        # shutdown awaited it until the supervisor's SIGKILL, leaving the containers)
+        async with asyncio.timeout(agent.config.engine_check_timeout_s):
+            await agent.docker.ping()
         if not agent.engine_ok:
             await reconcile(agent)
             log.info("the Docker engine is back; node %s takes work again", agent.config.node_id)

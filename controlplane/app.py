@@ -7,7 +7,6 @@ straight to the agent named in the acquire answer.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import re
@@ -31,6 +30,7 @@ from dsec.httpkit import (
     Api,
     ApiError,
     bearer_token,
+    cancel_and_wait,
     model_response,
     new_app,
     read_model,
@@ -524,9 +524,7 @@ def create_controlplane_app(
         await agents.start()
         loop = asyncio.create_task(scheduler.run_forever(), name="scheduler")
         yield
-        loop.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await loop
+        await cancel_and_wait(loop)
         if cloud is not None:
             await cloud.close()
         await scheduler.drain()

@@ -37,6 +37,9 @@ BODY_IDLE_TIMEOUT_S = 60.0
 # (dsec.processes.STOP_GRACE_S), nor keep an agent from removing its sandboxes.
 REQUESTS_GRACE_S = 5.0
 
+# A background task that goes on after its cancellation is cancelled again this often:
+# a service's shutdown must never wait for one for good.
+CANCEL_AGAIN_AFTER_S = 1.0
 M = TypeVar("M", bound=BaseModel)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -422,6 +425,19 @@ async def serve(
             listener.close()  # no new connections; the runner ends those it has
     finally:
         await runner.cleanup()
+
+
+async def cancel_and_wait(*tasks: asyncio.Task) -> None:
+    """Cancel an app's background `tasks` and wait for their end, cancelling again one
+    that swallowed its cancellation (as Python 3.11's asyncio.wait_for can, when what it
+    waits for ends as the cancellation comes). What one of them raised is logged."""
+    while pending := [t for t in tasks if not t.done()]:
+        for task in pending:
+            task.cancel()
+        await asyncio.wait(pending, timeout=CANCEL_AGAIN_AFTER_S)
+    for task in tasks:
+        if not task.cancelled() and task.exception() is not None:
+            log.error("%s ended with an error", task.get_name(), exc_info=task.exception())
 
 
 def stop_on_signals() -> asyncio.Event:
