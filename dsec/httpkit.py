@@ -431,9 +431,13 @@ async def cancel_and_wait(*tasks: asyncio.Task) -> None:
     """Cancel an app's background `tasks` and wait for their end, cancelling again one
     that swallowed its cancellation (as Python 3.11's asyncio.wait_for can, when what it
     waits for ends as the cancellation comes). What one of them raised is logged."""
+    cancelled: set[asyncio.Task] = set()
     while pending := [t for t in tasks if not t.done()]:
         for task in pending:
+            if task in cancelled:
+                log.warning("%s went on after its cancellation: cancelled again", task.get_name())
             task.cancel()
+            cancelled.add(task)
         await asyncio.wait(pending, timeout=CANCEL_AGAIN_AFTER_S)
     for task in tasks:
         if not task.cancelled() and task.exception() is not None:
