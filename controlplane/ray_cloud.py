@@ -51,6 +51,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # noq
 
 from controlplane.cloud import RayConfig  # noqa: E402
 from controlplane.identities import Identities  # noqa: E402
+from dsec.httpkit import cancel_and_wait  # noqa: E402
 from dsec.models import NodeKind  # noqa: E402
 from dsec.processes import agent_args, child_env, dsec_argv, node_credentials  # noqa: E402
 from dsec.statedir import write_private  # noqa: E402
@@ -218,9 +219,7 @@ class RayNodes:
 
     async def close(self) -> None:
         if self._watch is not None:
-            self._watch.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._watch
+            await cancel_and_wait(self._watch)
         async with self._lock:
             agents = list(self.agents.values())
             self.agents.clear()
