@@ -67,8 +67,8 @@ async def check_engine(agent: Agent) -> None:
     engine that restarted has stopped every container (there is no live restore)."""
     try:
         # asyncio.timeout, not wait_for: Python 3.11's wait_for returns the result of a
-        # ping that ended as a cancellation came, and this loop then never ended (a
-        # shutdown awaited it until the supervisor's SIGKILL, leaving the containers)
+        # ping that ended as a cancellation came, and this loop would then go on (a
+        # shutdown that awaited it would wait for the supervisor's SIGKILL)
         async with asyncio.timeout(agent.config.engine_check_timeout_s):
             await agent.docker.ping()
         if not agent.engine_ok:

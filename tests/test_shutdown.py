@@ -1,7 +1,8 @@
 """A service's shutdown always ends: its background loops end when cancelled, also one
 cancelled just as a call it waits for answers, which Python 3.11's asyncio.wait_for turns
-into a normal return (an agent whose engine watch did so was stopped only by its
-supervisor's SIGKILL, 60 s later, leaving its containers behind)."""
+into a normal return (a shutdown that awaited such a loop would end only with its
+supervisor's SIGKILL, 60 s later, leaving the agent's containers behind: CI saw such
+stops, though which loop hung there is not known)."""
 
 from __future__ import annotations
 
