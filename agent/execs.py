@@ -302,7 +302,7 @@ class Execs:
         # (_engine_start) is time the command already runs
         started = agent.clock.now()
         if proc is None:
-            how = {"user": sandbox.spec.user, "env": env, "workdir": req.workdir}
+            how = {"user": sandbox.user, "env": env, "workdir": req.workdir}
             try:
                 if stdin:  # the client's input may be what its first output waits for
                     proc = await agent.docker.start(
@@ -412,7 +412,7 @@ class Execs:
         kill = ["sh", "-c", KILL_SCRIPT, "dsec-kill", marker]
         try:
             async with asyncio.timeout(KILL_TIMEOUT_S):
-                await self.agent.docker.run("exec_kill", container_id, kill, user=sandbox.spec.user)
+                await self.agent.docker.run("exec_kill", container_id, kill, user=sandbox.user)
         except (DockerOpError, TimeoutError) as e:
             # no shell in the image, or a frozen engine: the stream is cut all the same,
             # and what still runs stays inside the sandbox until it goes

@@ -147,7 +147,7 @@ class Files:
         cmd = ["sh", "-c", FILES_SCRIPT, "dsec-files", op, path, *roots, extra]
         try:
             return await self.agent.docker.start(
-                sandbox.record.container_id, cmd, user=sandbox.spec.user, stdin=stdin
+                sandbox.record.container_id, cmd, user=sandbox.user, stdin=stdin
             )
         except DockerOpError as e:
             self.agent.docker_failed(e)

@@ -376,7 +376,7 @@ class Agent:
             await self.docker_or_502(self.docker.unpause(cid, Work.FREEZE))  # tar runs inside
             try:
                 archive = await self.docker.archive_dir(
-                    cid, spec.workdir, spec.workdir_mb << 20, spec.user
+                    cid, spec.workdir, spec.workdir_mb << 20, sandbox.user
                 )
                 image = await self.docker.commit(cid, HIBERNATED_REPOSITORY, sandbox_id)
             except DockerOpError as e:
@@ -403,7 +403,7 @@ class Agent:
         try:
             # a lease waits for this restore
             booted = await self.make_container(sandbox, spec_from_snapshot, Work.CLIENT)
-            await self.docker.restore_dir(record.container_id, spec.workdir, archive, spec.user)
+            await self.docker.restore_dir(record.container_id, spec.workdir, archive, sandbox.user)
         except DockerOpError as e:
             self.docker_failed(e)
             if record.container_id:

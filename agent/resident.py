@@ -496,7 +496,7 @@ class Resident:
                 pid = await agent.docker.start_detached(
                     container_id,
                     self.loop_argv(sandbox.id),
-                    user=sandbox.spec.user,
+                    user=sandbox.user,
                     work=Work.RESIDENT,
                     hold=lambda: _unchanging(sandbox, container_id),
                 )

@@ -34,6 +34,11 @@ class Sandbox:
         return self.record.id
 
     @property
+    def user(self) -> str:
+        """Who its commands and file operations run as ("uid:gid")."""
+        return self.record.user or self.spec.user
+
+    @property
     def occupies(self) -> bool:
         """Hibernated sandboxes hold disk only: no slot, CPU or memory."""
         return self.state != SandboxState.HIBERNATED

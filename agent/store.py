@@ -50,6 +50,9 @@ class SandboxRecord:
     # set while hibernated: the committed image and the archive of the work dir
     hibernated_image: str | None = None
     archive_path: str | None = None
+    # "uid:gid" its commands run as: its own, from the node's range (agent/users.py);
+    # empty for a record made before sandboxes had their own (its template's user)
+    user: str = ""
 
 
 class SandboxStore:
