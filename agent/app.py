@@ -9,13 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import get_args
 
 from aiohttp import WSMsgType, web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import ValidationError
 
 from agent import runtime
 from agent.audit import AuditRecords, RefusalRecord
@@ -33,8 +31,11 @@ from dsec.httpkit import (
     bearer_token,
     body_chunks,
     cancel_and_wait,
+    count_authenticated,
     model_response,
     new_app,
+    parse_json,
+    parse_model,
     read_model,
     require_token,
     route_of,
@@ -55,7 +56,6 @@ from dsec.models import (
     Released,
     ResetSandbox,
     SandboxReport,
-    validation_details,
 )
 from dsec.states import SandboxState
 
@@ -80,6 +80,16 @@ def _control_plane_only(request: web.Request) -> Agent:
     agent = _agent(request)
     require_token(request, [agent.identity.call_token] if agent.identity else [])
     return agent
+
+
+async def _lease_holder(
+    request: web.Request, sandbox_id: str, token: str | None
+) -> tuple[Sandbox, str]:
+    """The sandbox and lease that the lease `token` holds (Execs.hold), its request's
+    connection then counted as authenticated."""
+    held = await _agent(request).execs.hold(sandbox_id, token)
+    count_authenticated(request)
+    return held
 
 
 async def create_sandbox(request: web.Request) -> web.Response:
@@ -144,7 +154,7 @@ async def get_node(request: web.Request) -> web.Response:
 async def exec_in_sandbox(request: web.Request) -> web.Response:
     agent = _agent(request)
     sandbox_id, token = sandbox_id_param(request), bearer_token(request)
-    await agent.execs.hold(sandbox_id, token)  # before the body: a stranger's is never parsed
+    await _lease_holder(request, sandbox_id, token)  # before the body: a stranger's is unread
     req = await read_model(request, ExecRequest)
     result = await agent.execs.run(sandbox_id, token, req, request.remote)
     return model_response(result)
@@ -155,7 +165,7 @@ async def exec_stream(request: web.Request) -> web.StreamResponse:
     stdin, a terminal. What can be refused is refused before the upgrade, as HTTP."""
     agent = _agent(request)
     sandbox_id, token = sandbox_id_param(request), bearer_token(request)
-    sandbox, _ = await agent.execs.hold(sandbox_id, token)
+    sandbox, _ = await _lease_holder(request, sandbox_id, token)
     agent.execs.admit(sandbox)
     ws = web.WebSocketResponse(max_msg_size=STDIN_FRAME_BYTES, heartbeat=WS_HEARTBEAT_S)
     await ws.prepare(request)
@@ -182,12 +192,7 @@ async def exec_stream(request: web.Request) -> web.StreamResponse:
         first = await asyncio.wait_for(ws.receive(), WS_FIRST_MESSAGE_S)
         if first.type != WSMsgType.TEXT:
             raise ApiError(400, "invalid_request", "the first message is the command, as JSON text")
-        try:
-            req = ExecStreamRequest.model_validate_json(first.data)
-        except ValidationError as e:
-            raise ApiError(
-                422, "validation_error", "the command is invalid", validation_details(e)
-            ) from e
+        req = parse_model(first.data, ExecStreamRequest, "the command")
 
         def started(proc: RunningCommand) -> None:
             inputs.append(asyncio.create_task(take_input(proc, req.stdin)))
@@ -216,7 +221,7 @@ async def exec_stream(request: web.Request) -> web.StreamResponse:
 async def _control(ws: web.WebSocketResponse, proc: RunningCommand, text: str) -> None:
     """A text message during a command: end of stdin, or a terminal's new size."""
     try:
-        message = json.loads(text)
+        message = parse_json(text)
         kind = message["type"]
         if kind == "stdin_eof":
             proc.close_stdin()
@@ -224,6 +229,8 @@ async def _control(ws: web.WebSocketResponse, proc: RunningCommand, text: str) -
             await proc.resize(int(message["rows"]), int(message["cols"]))
         elif kind != "resize":
             raise KeyError(kind)
+    except ApiError as e:
+        await _ws_error(ws, e)
     except (ValueError, KeyError, TypeError) as e:
         await _ws_error(ws, ApiError(400, "invalid_message", f"unknown control message: {e}"))
     except DockerOpError:
@@ -240,7 +247,9 @@ async def _ws_error(ws: web.WebSocketResponse, e: ApiError) -> None:
 async def _file_target(request: web.Request) -> tuple[Agent, Sandbox, str, str]:
     """The agent, the sandbox the lease token holds, its lease and the checked path."""
     agent = _agent(request)
-    sandbox, lease_id = await agent.execs.hold(sandbox_id_param(request), bearer_token(request))
+    sandbox, lease_id = await _lease_holder(
+        request, sandbox_id_param(request), bearer_token(request)
+    )
     path = checked_path(request.query.get("path"), agent.files.roots(sandbox))
     return agent, sandbox, lease_id, path
 

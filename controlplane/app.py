@@ -7,7 +7,6 @@ straight to the agent named in the acquire answer.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import re
 from collections import Counter
@@ -33,9 +32,11 @@ from dsec.httpkit import (
     cancel_and_wait,
     model_response,
     new_app,
+    parse_json,
     read_model,
     require_token,
     sandbox_id_param,
+    token_header,
     token_matches,
 )
 from dsec.models import (
@@ -116,8 +117,8 @@ async def acquire(request: web.Request) -> web.Response:
 def _named_pool(raw: bytes, pools: dict) -> str | None:
     """The existing pool an invalid acquire body named, so its refusal counts there."""
     try:
-        data = json.loads(raw or b"{}")
-    except ValueError:
+        data = parse_json(raw) if raw else {}
+    except ApiError:
         return None
     pool = data.get("pool", "default") if isinstance(data, dict) else None
     return pool if isinstance(pool, str) and pool in pools else None
@@ -188,7 +189,7 @@ async def get_lease(request: web.Request) -> web.Response:
 async def release(request: web.Request) -> web.Response:
     s = _client(request)
     operator = token_matches(bearer_token(request), s.config.admin_tokens)
-    proof = None if operator else request.headers.get(LEASE_TOKEN_HEADER, "")
+    proof = None if operator else token_header(request, LEASE_TOKEN_HEADER)
     entry = await s.leases.release(sandbox_id_param(request), proof)
     # recycled (pool parameter `recycle`): the sandbox is warm again, for another lease
     recycled = entry.state == SandboxState.WARM

@@ -12,8 +12,10 @@ import asyncio
 import hmac
 import json
 import logging
+import secrets
 import signal
 import ssl
+from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -27,6 +29,8 @@ from dsec.models import SANDBOX_ID_RE, ErrorResponse, validation_details
 log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 1024 * 1024
+# arrays and objects within one another in a JSON body: far past any request of ours
+MAX_JSON_DEPTH = 32
 # a JSON body (at most MAX_BODY_BYTES) is read within this; a streamed one (a file) may
 # take as long as it needs, but no byte for this long ends it
 BODY_TIMEOUT_S = 30.0
@@ -90,8 +94,54 @@ async def json_errors(request: web.Request, handler: Handler) -> web.StreamRespo
         message = e.reason if e.status != 413 else f"request body is over {MAX_BODY_BYTES} bytes"
         return error_response(e.status, _STATUS_CODES.get(e.status, "http_error"), message)
     except Exception:  # a bug: answer in JSON and keep serving
-        log.exception("unhandled error in %s %s", request.method, request.path)
-        return error_response(500, "internal_error", "internal error; see the service log")
+        # the answer names the log line, whose route is the declared one, never the
+        # path as sent (it may decode to anything, newlines included)
+        request_id = secrets.token_hex(8)
+        log.exception(
+            "unhandled error in %s %s (request %s)", request.method, route_of(request), request_id
+        )
+        return error_response(
+            500, "internal_error", f"internal error; see the service log for request {request_id}"
+        )
+
+
+def parse_json(raw: bytes | str) -> Any:
+    """A JSON document a peer sent, or an ApiError (400) saying why it is not one: every
+    body and message of both services is parsed here. One nested deeper than
+    MAX_JSON_DEPTH is refused, however it parses: no request of ours nests more than a
+    few levels, and what does would cost every recursive walk of it (validation,
+    serialisation) its stack."""
+    try:
+        data = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ApiError(400, "malformed_json", f"request body is not valid JSON: {e}") from e
+    except RecursionError as e:  # the parser's own bound, far past ours
+        raise _too_deep() from e
+    if _depth_over(data, MAX_JSON_DEPTH):
+        raise _too_deep()
+    return data
+
+
+def _too_deep() -> ApiError:
+    return ApiError(
+        400, "malformed_json", f"request body nests deeper than {MAX_JSON_DEPTH} levels"
+    )
+
+
+def _depth_over(data: Any, limit: int) -> bool:
+    """Whether `data` nests arrays and objects more than `limit` deep (`[]` is 1), found
+    level by level rather than by recursion."""
+    level = [data] if isinstance(data, (list, dict)) else []
+    for _ in range(limit):
+        level = [
+            child
+            for value in level
+            for child in (value.values() if isinstance(value, dict) else value)
+            if isinstance(child, (list, dict))
+        ]
+        if not level:
+            return False
+    return bool(level)
 
 
 async def read_model(request: web.Request, model: type[M]) -> M:
@@ -101,23 +151,19 @@ async def read_model(request: web.Request, model: type[M]) -> M:
             raw = await request.read()
     except TimeoutError as e:
         raise ApiError(408, "body_timeout", f"request body not read in {BODY_TIMEOUT_S:g} s") from e
-    if not raw:
-        data: Any = {}
-    else:
-        try:
-            data = json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ApiError(400, "malformed_json", f"request body is not valid JSON: {e}") from e
-        except RecursionError as e:  # no request of ours nests deeper than a few levels
-            raise ApiError(400, "malformed_json", "request body is nested too deeply") from e
+    return parse_model(raw or b"{}", model)
+
+
+def parse_model(raw: bytes | str, model: type[M], what: str = "request body") -> M:
+    """A JSON object a peer sent (`what`: a body, a message) as `model`, or an ApiError
+    saying what is wrong with it."""
+    data = parse_json(raw)
     if not isinstance(data, dict):
-        raise ApiError(400, "malformed_json", "request body must be a JSON object")
+        raise ApiError(400, "malformed_json", f"{what} must be a JSON object")
     try:
         return model.model_validate(data)
     except ValidationError as e:
-        raise ApiError(
-            422, "validation_error", "request body is invalid", validation_details(e)
-        ) from e
+        raise ApiError(422, "validation_error", f"{what} is invalid", validation_details(e)) from e
 
 
 async def body_chunks(request: web.Request, size: int) -> AsyncIterator[bytes]:
@@ -149,9 +195,29 @@ def sandbox_id_param(request: web.Request) -> str:
 
 
 def bearer_token(request: web.Request) -> str | None:
+    """The request's bearer token, None without one; refused (401) if not valid UTF-8."""
     header = request.headers.get("Authorization", "")
     scheme, _, token = header.partition(" ")
-    return token.strip() if scheme.lower() == "bearer" and token.strip() else None
+    if scheme.lower() != "bearer" or not token.strip():
+        return None
+    return _utf8_token(token.strip(), "Authorization")
+
+
+def token_header(request: web.Request, name: str) -> str:
+    """A token sent in header `name` ("" without one); refused (401) if not valid UTF-8."""
+    return _utf8_token(request.headers.get(name, ""), name)
+
+
+def _utf8_token(token: str, header: str) -> str:
+    # aiohttp hands a header's undecodable bytes on as lone surrogates, which no
+    # comparison with a token can take (they do not encode): such a token is no token
+    try:
+        token.encode()
+    except UnicodeEncodeError:
+        raise CredentialRefused(
+            401, "malformed_token", f"the token in {header} is not valid UTF-8"
+        ) from None
+    return token
 
 
 def token_matches(presented: str | None, accepted: Iterable[str]) -> bool:
@@ -170,6 +236,7 @@ def require_token(request: web.Request, accepted: Iterable[str]) -> None:
         raise CredentialRefused(401, "unauthenticated", "missing Authorization: Bearer <token>")
     if not token_matches(presented, accepted):
         raise CredentialRefused(403, "forbidden", "this token may not do that")
+    count_authenticated(request)
 
 
 class MetricsAccess(BaseModel):
@@ -329,23 +396,38 @@ def listening_line(url: str) -> str:
 
 @dataclass(frozen=True)
 class ServerLimits:
-    """How long a server waits on a client, and how many it serves at once, so that
-    clients that connect and send nothing, or send slowly, hold only so much of it.
+    """How long a server waits on a client, and how many connections it keeps, so that
+    clients that connect and send nothing, send slowly, or connect again and again hold
+    only so much of it, and no address holds what other clients need.
 
     aiohttp has no limit on connections and, by default, keeps an idle one an hour:
     `serve` closes an idle connection after `idle_timeout_s` (aiohttp's keep-alive
-    timer, which starts when a connection opens, so it also bounds how long a request's
-    line and headers may take to arrive), a TLS handshake after `handshake_timeout_s`,
-    and answers a connection past `max_connections` 503 and closes it. Bodies have
-    timeouts of their own (read_model, body_chunks)."""
+    timer, which starts when a connection is read, so it also bounds how long a
+    request's line and headers may take to arrive) and a TLS handshake after
+    `handshake_timeout_s`. Past its handshake a connection is counted by what it proved
+    (ConnectionGate): until a request on it passed its route's credential, against its
+    peer (its remote address), never against the others; once one did, against the
+    limit every client shares. Bodies have timeouts of their own (read_model,
+    body_chunks)."""
 
     idle_timeout_s: float = 30.0  # above aiohttp clients' 15 s: they close theirs first
     handshake_timeout_s: float = 10.0
-    # counted once past the TLS handshake (the handshake timeout bounds the others)
+    # connections on which a request authenticated, all peers together; a request that
+    # authenticates past it is answered 503 and its connection closed
     max_connections: int = 4096
+    # a peer's connections that have not authenticated: this many are read at once, the
+    # next held unread until one of those authenticates or ends (a client's burst of new
+    # connections waits its turn), and one past `unauthenticated_per_peer` in all is
+    # answered 503 and closed, as is one past `max_unauthenticated` over every peer
+    reading_per_peer: int = 32
+    unauthenticated_per_peer: int = 1024
+    max_unauthenticated: int = 4096
+    # from its handshake's end, a connection that has not authenticated is closed then
+    # (one held unread is answered 503 first)
+    authenticate_within_s: float = 10.0
 
 
-# what a connection past the limit is answered, before it is closed unread
+# what a connection the gate will not serve is answered, before it is closed unread
 _TOO_MANY_CONNECTIONS = json.dumps(
     {"error": {"code": "too_many_connections", "message": "the server is at its connection limit"}}
 ).encode()
@@ -355,31 +437,209 @@ _TOO_MANY_CONNECTIONS_ANSWER = (
     % (len(_TOO_MANY_CONNECTIONS), _TOO_MANY_CONNECTIONS)
 )
 
+_REFUSED, _WAITING, _READING, _AUTHENTICATED = "refused", "waiting", "reading", "authenticated"
 
-class _Refused(asyncio.Protocol):
-    """A connection past the limit: answered 503 and closed, whatever it sends."""
+
+class _Connection(asyncio.Protocol):
+    """One accepted connection: held unread while the gate says so, then served by
+    aiohttp's handler, which gets every event of the transport from here on."""
+
+    def __init__(self, gate: ConnectionGate) -> None:
+        self.gate = gate
+        self.transport: asyncio.Transport | None = None
+        self.peer = ""
+        self.state = _REFUSED
+        self.handler: web.RequestHandler | None = None
+        self.early = bytearray()  # what came before reading was paused (TLS may buffer)
+        self.deadline: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.WriteTransport)
-        transport.write(_TOO_MANY_CONNECTIONS_ANSWER)
-        transport.close()
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+        peer = transport.get_extra_info("peername")
+        self.peer = peer[0] if isinstance(peer, tuple) else str(peer)
+        self.gate.arrived(self)
+
+    def refuse(self) -> None:
+        assert self.transport is not None
+        self.transport.write(_TOO_MANY_CONNECTIONS_ANSWER)
+        self.transport.close()
+
+    def hold(self) -> None:
+        assert self.transport is not None
+        self.transport.pause_reading()
+
+    def read(self, handler: web.RequestHandler) -> None:
+        assert self.transport is not None
+        self.handler = handler
+        handler.connection_made(self.transport)
+        if self.early:
+            handler.data_received(bytes(self.early))
+            self.early.clear()
+        self.transport.resume_reading()
+
+    def data_received(self, data: bytes) -> None:
+        if self.handler is not None:
+            self.handler.data_received(data)
+        elif self.state == _WAITING:
+            self.early += data
+
+    def eof_received(self) -> bool | None:
+        return self.handler.eof_received() if self.handler is not None else None
+
+    def pause_writing(self) -> None:
+        if self.handler is not None:
+            self.handler.pause_writing()
+
+    def resume_writing(self) -> None:
+        if self.handler is not None:
+            self.handler.resume_writing()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.gate.left(self)
+        if self.handler is not None:
+            self.handler.connection_lost(exc)
 
 
-def _limited(server: web.Server, max_connections: int) -> Callable[[], asyncio.BaseProtocol]:
-    """`server`'s protocol factory, which refuses connections past `max_connections`."""
-    at_limit = False
+@dataclass
+class _Peer:
+    reading: int = 0
+    waiting: deque[_Connection] = field(default_factory=deque)
+    refusing: bool = False  # its refusals are logged once, until it has no connection left
 
-    def protocol() -> asyncio.BaseProtocol:
-        nonlocal at_limit
-        if len(server.connections) < max_connections:
-            at_limit = False
-            return server()
-        if not at_limit:  # once per episode: a flood must not flood the log as well
-            log.warning("at the limit of %d connections: refusing more", max_connections)
-            at_limit = True
-        return _Refused()
+    @property
+    def unauthenticated(self) -> int:
+        return self.reading + len(self.waiting)
 
-    return protocol
+
+class ConnectionGate:
+    """Which connections a server reads and keeps (ServerLimits says how many): a
+    connection is its peer's until a request on it authenticates (`authenticated`),
+    and only then takes one of the slots every client shares, so that connections
+    that prove nothing, however many one address opens, never keep another client
+    out."""
+
+    def __init__(self, limits: ServerLimits, make_handler: Callable[[], web.RequestHandler]):
+        self.limits = limits
+        self.make_handler = make_handler
+        self.authenticated_count = 0
+        self.unauthenticated_count = 0
+        self.peers: dict[str, _Peer] = {}
+        self.reading: dict[web.RequestHandler, _Connection] = {}  # not yet authenticated
+        # each logged once per episode, as is each peer's refusal
+        self.shared_full = False
+        self.unauthenticated_full = False
+
+    def protocol(self) -> asyncio.Protocol:
+        return _Connection(self)
+
+    def arrived(self, conn: _Connection) -> None:
+        peer = self.peers.get(conn.peer)
+        if peer is not None and peer.unauthenticated >= self.limits.unauthenticated_per_peer:
+            if not peer.refusing:  # a flood must not flood the log as well
+                log.warning(
+                    "refusing connections from %s: %d have not authenticated",
+                    conn.peer,
+                    peer.unauthenticated,
+                )
+                peer.refusing = True
+            conn.refuse()  # state _REFUSED: counted nowhere
+            return
+        if self.unauthenticated_count >= self.limits.max_unauthenticated:
+            if not self.unauthenticated_full:
+                log.warning(
+                    "at the limit of %d connections that have not authenticated",
+                    self.limits.max_unauthenticated,
+                )
+                self.unauthenticated_full = True
+            conn.refuse()
+            return
+        self.unauthenticated_full = False
+        peer = self.peers.setdefault(conn.peer, _Peer())
+        self.unauthenticated_count += 1
+        loop = asyncio.get_running_loop()
+        conn.deadline = loop.call_later(self.limits.authenticate_within_s, self._late, conn)
+        if peer.reading < self.limits.reading_per_peer:
+            self._read(conn, peer)
+        else:
+            conn.state = _WAITING
+            conn.hold()
+            peer.waiting.append(conn)
+
+    def _read(self, conn: _Connection, peer: _Peer) -> None:
+        conn.state = _READING
+        peer.reading += 1
+        handler = self.make_handler()
+        self.reading[handler] = conn
+        conn.read(handler)
+
+    def authenticated(self, handler: web.RequestHandler) -> bool:
+        """Count `handler`'s connection against the shared limit, now that a request on
+        it authenticated; False if that limit is reached (it stays its peer's)."""
+        conn = self.reading.get(handler)
+        if conn is None:  # counted already, or not a connection of ours (a test server)
+            return True
+        if self.authenticated_count >= self.limits.max_connections:
+            if not self.shared_full:
+                log.warning("at the limit of %d connections", self.limits.max_connections)
+                self.shared_full = True
+            return False
+        self.shared_full = False
+        self.authenticated_count += 1
+        self._unauthenticated_gone(conn)
+        conn.state = _AUTHENTICATED
+        return True
+
+    def left(self, conn: _Connection) -> None:
+        if conn.state == _AUTHENTICATED:
+            self.authenticated_count -= 1
+        elif conn.state in (_READING, _WAITING):
+            self._unauthenticated_gone(conn)
+        conn.state = _REFUSED
+
+    def _unauthenticated_gone(self, conn: _Connection) -> None:
+        """`conn` authenticated or ended: its peer may read the next it holds."""
+        self.unauthenticated_count -= 1
+        if conn.deadline is not None:
+            conn.deadline.cancel()
+        peer = self.peers[conn.peer]
+        if conn.state == _WAITING:
+            peer.waiting.remove(conn)
+        else:
+            assert conn.handler is not None
+            del self.reading[conn.handler]
+            peer.reading -= 1
+            if peer.waiting:
+                self._read(peer.waiting.popleft(), peer)
+        if peer.unauthenticated == 0:
+            del self.peers[conn.peer]  # its next refusal is a new episode
+
+    def _late(self, conn: _Connection) -> None:
+        """`conn` did not authenticate in time: closed (answered 503 if never read)."""
+        if conn.state == _WAITING:
+            conn.refuse()
+        elif conn.state == _READING and conn.handler is not None:
+            conn.handler.force_close()
+
+    def close_held(self) -> None:
+        """Close the connections held unread (the server's handlers close the others)."""
+        for peer in self.peers.values():
+            for conn in peer.waiting:
+                assert conn.transport is not None
+                conn.transport.close()
+
+
+CONNECTIONS = web.AppKey("connections", ConnectionGate)
+
+
+def count_authenticated(request: web.Request) -> None:
+    """`request` passed its route's credential: its connection takes a shared slot
+    (ServerLimits), or, with none left, the request is answered 503 and the connection
+    closed once that answer is written."""
+    gate = request.app.get(CONNECTIONS)
+    if gate is not None and not gate.authenticated(request.protocol):
+        request.protocol.close()
+        raise ApiError(503, "too_many_connections", "the server is at its connection limit")
 
 
 async def serve(
@@ -401,13 +661,16 @@ async def serve(
         keepalive_timeout=limits.idle_timeout_s,
         shutdown_timeout=REQUESTS_GRACE_S,
     )
+    gate = ConnectionGate(limits, lambda: server())
+    app[CONNECTIONS] = gate  # before the runner freezes the app
     await runner.setup()
-    assert runner.server is not None
+    server = runner.server
+    assert server is not None
     try:
         # a listener of our own rather than web.TCPSite, which takes neither a protocol
-        # factory (the connection limit) nor a handshake timeout
+        # factory (the connection gate) nor a handshake timeout
         listener = await asyncio.get_running_loop().create_server(
-            _limited(runner.server, limits.max_connections),
+            gate.protocol,
             host,
             port,
             ssl=ssl_context,
@@ -423,6 +686,7 @@ async def serve(
             await stop.wait()
         finally:
             listener.close()  # no new connections; the runner ends those it has
+            gate.close_held()
     finally:
         await runner.cleanup()
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
+import inprocess
 import pytest
 import pytest_asyncio
 from aiohttp import web
@@ -32,13 +33,14 @@ from cryptography import x509
 from cryptography.hazmat.primitives.serialization import load_pem_private_key
 from cryptography.x509.oid import ExtendedKeyUsageOID
 from pydantic import BaseModel
+from rawhttp import RawConnection
 
 from controlplane.cloud import CloudConfig, LocalCloudProvider, cloud_node_host
 from controlplane.identities import Identities
 from dsec import httpkit
 from dsec.cli.up import LocalPool
 from dsec.client import Client
-from dsec.httpkit import Api, ServerLimits, body_chunks, new_app, read_model, serve
+from dsec.httpkit import Api, ServerLimits, body_chunks, new_app, read_model
 from dsec.processes import dsec_argv
 from dsec.sync_client import SyncClient
 from dsec.tls import (
@@ -162,26 +164,10 @@ async def served_at(
     limits: ServerLimits | None = None,
 ) -> AsyncIterator[str]:
     """`serve` in this process, on loopback: its URL while the block runs."""
-    listening: asyncio.Future[str] = asyncio.get_running_loop().create_future()
-    stop = asyncio.Event()
     app = new_app(small_api(served if served is not None else []))
     context = tls.server_context() if tls else None
-    task = asyncio.create_task(
-        serve(
-            app,
-            "127.0.0.1",
-            0,
-            stop,
-            listening.set_result,
-            ssl_context=context,
-            limits=limits or ServerLimits(),
-        )
-    )
-    try:
-        yield await asyncio.wait_for(listening, 10)
-    finally:
-        stop.set()
-        await task
+    async with inprocess.served(app, ssl_context=context, limits=limits) as url:
+        yield url
 
 
 async def status_of(url: str, verify=True) -> int:
@@ -215,59 +201,6 @@ async def test_a_certificate_for_other_addresses_is_refused(tmp_path):
     async with served_at(tls=elsewhere) as url:
         with pytest.raises(aiohttp.ClientConnectorCertificateError, match="mismatch"):
             await status_of(f"{url}/hello", client_ssl(elsewhere.ca))
-
-
-class RawConnection:
-    """HTTP/1.1 by hand on one connection: to hold one open, or send a request slowly."""
-
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.reader, self.writer = reader, writer
-
-    @classmethod
-    async def to(cls, url: str) -> RawConnection:
-        host, port = url.removeprefix("http://").split(":")
-        return cls(*await asyncio.open_connection(host, int(port)))
-
-    async def get(self, path: str) -> bytes:
-        """A keep-alive GET: the status line of its answer."""
-        self.writer.write(f"GET {path} HTTP/1.1\r\nHost: test\r\n\r\n".encode())
-        return (await self.answer())[0]
-
-    async def answer(self) -> tuple[bytes, bytes]:
-        """The next answer's status line and body."""
-        head = await asyncio.wait_for(self.reader.readuntil(b"\r\n\r\n"), 10)
-        status, *lines = head.strip().split(b"\r\n")
-        fields = dict(line.split(b": ", 1) for line in lines)
-        return status, await self.reader.readexactly(int(fields[b"Content-Length"]))
-
-    async def rest(self, timeout: float = 10) -> bytes:
-        """All it answers until the server closes it."""
-        return await asyncio.wait_for(self.reader.read(), timeout)
-
-    async def close(self) -> None:
-        self.writer.close()
-        await self.writer.wait_closed()
-
-
-async def test_connections_past_the_limit_are_answered_503_and_closed():
-    async with served_at(limits=ServerLimits(max_connections=2)) as url:
-        held = [await RawConnection.to(url) for _ in range(2)]
-        for connection in held:
-            assert await connection.get("/hello") == b"HTTP/1.1 200 OK"  # both counted
-        third = await RawConnection.to(url)
-        answer = await third.rest()
-        assert answer.startswith(b"HTTP/1.1 503 ")
-        assert (
-            json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "too_many_connections"
-        )
-        assert await held[0].get("/hello") == b"HTTP/1.1 200 OK"  # those within it: served
-        await held[0].close()
-
-        async def served_again() -> bool:
-            return await status_of(f"{url}/hello") == 200
-
-        await eventually(served_again, "a connection once one was closed", timeout=5)
-        await held[1].close()
 
 
 async def test_a_request_head_that_does_not_arrive_in_time_is_cut_off():

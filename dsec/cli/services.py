@@ -12,7 +12,7 @@ import ssl
 import sys
 from collections.abc import Coroutine
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 from pydantic import ValidationError
@@ -30,6 +30,9 @@ from dsec.cli.common import (
 )
 from dsec.models import Capacity
 from dsec.tls import TlsFiles
+
+if TYPE_CHECKING:  # the commands import the server kit where they serve, as they do the rest
+    from dsec.httpkit import ServerLimits
 
 # Both services hand work to threads (the agent's store, SQLite, on a thread of its
 # own; file copies). Python's default 5 ms switch interval lets a woken thread keep the
@@ -93,7 +96,7 @@ def cmd_controlplane(args: argparse.Namespace) -> int:
             "agents to register at: say which with --advertise-url"
         )
     limits = ServerLimits()
-    _raise_open_files_limit(limits.max_connections + FDS_SPARE)
+    _raise_open_files_limit(limits.max_connections + limits.max_unauthenticated + FDS_SPARE)
 
     async def main() -> None:
         cloud = None
@@ -131,6 +134,14 @@ FDS_PER_EXEC, FDS_SPARE = 2, 1024
 SPARE_CONNECTIONS = 256  # an agent's beyond its commands': the control plane's (64), files
 
 
+def agent_server_limits(config: AgentConfig) -> ServerLimits:
+    """What `dsec agent` serves within: a command holds a connection; the rest are the
+    control plane's and files'."""
+    from dsec.httpkit import ServerLimits
+
+    return ServerLimits(max_connections=config.execs_per_node + SPARE_CONNECTIONS)
+
+
 def _raise_open_files_limit(wanted: int) -> None:
     """Lift the soft limit on open files towards `wanted` (up to the hard limit): many
     systems start processes at 1024, fewer than a node's commands need at once."""
@@ -148,7 +159,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
     from agent.metrics import AgentMetrics
     from agent.node import Agent
     from dsec.clock import SystemClock
-    from dsec.httpkit import ServerLimits, serve, stop_on_signals
+    from dsec.httpkit import serve, stop_on_signals
 
     tls, server_ssl = _tls(args)
     if tls.serving and (args.controlplane or "").startswith("http://"):
@@ -186,7 +197,10 @@ def cmd_agent(args: argparse.Namespace) -> int:
     except docker.errors.DockerException as e:
         raise UsageError(f"the Docker engine is not reachable: {e}") from e
 
-    _raise_open_files_limit(FDS_PER_EXEC * config.execs_per_node + FDS_SPARE)
+    limits = agent_server_limits(config)
+    _raise_open_files_limit(
+        FDS_PER_EXEC * config.execs_per_node + limits.max_unauthenticated + FDS_SPARE
+    )
 
     async def main() -> None:
         clock = SystemClock()
@@ -201,8 +215,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
             stop_on_signals(),
             lambda url: agent.listening_at(config.advertised(url)),
             ssl_context=server_ssl,
-            # a command holds a connection; the rest are the control plane's and files'
-            limits=ServerLimits(max_connections=config.execs_per_node + SPARE_CONNECTIONS),
+            limits=limits,
         )
 
     run_service(main())
