@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import aiohttp
 import pytest
-from conftest import eventually
+from conftest import eventually, make_spec, started_pool
 from inprocess import (
     controlplane_app,
     inprocess_agent,
@@ -30,6 +31,7 @@ from rawhttp import RawConnection
 
 from agent.app import create_agent_app
 from dsec.cli.services import agent_server_limits
+from dsec.client import Client
 from dsec.httpkit import MAX_JSON_DEPTH, ServerLimits
 from dsec.tls import client_ssl, make_local_pool_tls
 from dsec.tokens import LEASE_TOKEN_HEADER
@@ -158,6 +160,40 @@ async def test_attack_6_the_agent_refuses_a_nested_body_on_its_json_routes(tmp_p
     async with inprocess_agent(tmp_path) as node:
         await assert_nesting_refused(node.url, node.agent.identity.call_token)
     no_tracebacks(caplog)
+
+
+async def test_attack_6_a_nested_message_on_an_exec_stream_is_a_400(docker_client, tmp_path):
+    async with (
+        started_pool(make_spec(tmp_path, nodes=1), docker_client) as pool,
+        Client(pool.url, token=pool.tokens.client) as client,
+        client.sandbox() as sb,
+        aiohttp.ClientSession() as http,
+    ):
+        url = f"{sb.lease.agent_url}/v1/sandboxes/{sb.id}/exec/stream"
+        headers = {"Authorization": f"Bearer {sb.lease.lease_token}"}
+
+        async def refused(ws: aiohttp.ClientWebSocketResponse) -> None:
+            error = await ws.receive_json(timeout=10)
+            assert (error["type"], error["status"], error["code"]) == (
+                "error",
+                400,
+                "malformed_json",
+            ), error
+
+        async with http.ws_connect(url, headers=headers) as ws:
+            await ws.send_str("[" * 100_000)  # as the command
+            await refused(ws)
+        async with http.ws_connect(url, headers=headers) as ws:
+            await ws.send_str(json.dumps({"cmd": ["cat"], "stdin": True}))
+            await ws.send_str("[" * 1000)  # as a control message, while it runs
+            await refused(ws)
+            await ws.send_bytes(b"still read")  # and its input is taken as before
+            await ws.send_str(json.dumps({"type": "stdin_eof"}))
+            output = b""
+            while (message := await ws.receive(timeout=10)).type == aiohttp.WSMsgType.BINARY:
+                output += message.data[1:]
+            assert json.loads(message.data)["exit_code"] == 0, message.data
+            assert output == b"still read"
 
 
 # --- attack 9: one peer holding connections ----------------------------------------
