@@ -281,13 +281,13 @@ class Agent:
             record = sandbox.record
             if record.lease_id == grant.lease_id:
                 # a retry of the same grant, or the lease was taken up from its token first
-                if (record.pool, record.idempotency_key, record.labels) != (
-                    grant.pool,
-                    grant.idempotency_key,
-                    grant.labels,
+                granted = (grant.pool, grant.idempotency_key, grant.labels, grant.grant_proof)
+                if (record.pool, record.idempotency_key, record.labels, record.grant_proof) != (
+                    granted
                 ):
                     record.pool, record.idempotency_key = grant.pool, grant.idempotency_key
                     record.labels = dict(grant.labels)
+                    record.grant_proof = grant.grant_proof
                     await self.store.put(record)
                 return sandbox
             # while the engine is away its containers may be dead: hand none out
@@ -306,6 +306,7 @@ class Agent:
             sandbox.record.idempotency_key = grant.idempotency_key
             sandbox.record.owner = grant.owner
             sandbox.record.labels = dict(grant.labels)
+            sandbox.record.grant_proof = grant.grant_proof
             await self.store.put(sandbox.record)
             sandbox.move(SandboxState.LEASED)
             sandbox.last_active = self.clock.now()
@@ -514,7 +515,7 @@ class Agent:
                 code = "reset_failed"
                 failure = ApiError(e.status, code, e.message if e.code == code else str(e))
             else:
-                record.owner = record.idempotency_key = None
+                record.owner = record.idempotency_key = record.grant_proof = None
                 record.labels = {}
                 record.ended_leases.append(req.lease_id)
                 await self.store.put(record)

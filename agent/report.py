@@ -76,6 +76,7 @@ def sandbox_row(sandbox: Sandbox) -> SandboxRow:
         busy_s=round(sandbox.busy_s, 3),
         active_at=None if sandbox.running_execs else round(sandbox.last_active, 3),
         frozen_at=None if sandbox.frozen_at is None else round(sandbox.frozen_at, 3),
+        grant_proof=r.grant_proof,
     )
 
 

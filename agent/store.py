@@ -43,6 +43,9 @@ class SandboxRecord:
     lease_id: str | None = None
     idempotency_key: str | None = None
     owner: str | None = None  # the client holding the lease
+    # the control plane's proof that it granted the lease (LeaseGrant.grant_proof),
+    # reported with it; None for a lease taken up from its token before its grant came
+    grant_proof: str | None = None
     labels: dict[str, str] = field(default_factory=dict)
     # leases this sandbox had that ended while it lived on (recycled): their tokens never
     # take it up again (Agent.adopt); one lease id per recycle

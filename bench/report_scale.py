@@ -124,6 +124,7 @@ def largest_row(sandbox_id: str) -> SandboxRow:
         busy_s=far,
         active_at=far,
         frozen_at=far,
+        grant_proof="a" * 64,
     )
 
 

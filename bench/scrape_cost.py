@@ -34,7 +34,7 @@ from controlplane.identities import Identities
 from dsec.clock import SystemClock
 from dsec.models import Capacity, NodeReport, PoolParams, SandboxRow, SandboxTable, Usage
 from dsec.states import SandboxState
-from dsec.tokens import new_token
+from dsec.tokens import new_lease_id, new_token
 
 POOLS = ("train", "eval")
 # A leased sandbox is either running commands or frozen while its agent thinks.
@@ -42,29 +42,36 @@ LEASED_STATES = (SandboxState.LEASED, SandboxState.LEASED_PAUSED)
 WARMUP_RUNS = 20
 
 
-def node_reports(sandboxes: int, nodes: int) -> list[NodeReport]:
-    """Heartbeats from `nodes` nodes that hold `sandboxes` leased sandboxes between them."""
+def node_reports(sandboxes: int, nodes: int, identities: Identities) -> list[NodeReport]:
+    """Heartbeats from `nodes` nodes that hold `sandboxes` leased sandboxes between them,
+    each lease with its grant's proof from the control plane of `identities`."""
     reports = []
     for n in range(nodes):
         node_id = f"bench-{n + 1}"
-        mine = [
-            SandboxRow(
-                id=f"{node_id}.{secrets.token_hex(8)}",
-                pool=POOLS[i % len(POOLS)],
-                template="base",
-                state=LEASED_STATES[i % len(LEASED_STATES)],
-                created_at=time.time(),
-                cpus=0.5,
-                memory_mb=256,
-                lease_id=secrets.token_hex(16),
-                idempotency_key=None,
-                owner=None,
-                busy_s=float(i % 60),
-                active_at=time.monotonic(),
-                frozen_at=None,
+        mine = []
+        for i in range(n, sandboxes, nodes):
+            sandbox_id, lease_id = f"{node_id}.{secrets.token_hex(8)}", new_lease_id()
+            pool = POOLS[i % len(POOLS)]
+            mine.append(
+                SandboxRow(
+                    id=sandbox_id,
+                    pool=pool,
+                    template="base",
+                    state=LEASED_STATES[i % len(LEASED_STATES)],
+                    created_at=time.time(),
+                    cpus=0.5,
+                    memory_mb=256,
+                    lease_id=lease_id,
+                    idempotency_key=None,
+                    owner=None,
+                    busy_s=float(i % 60),
+                    active_at=time.monotonic(),
+                    frozen_at=None,
+                    grant_proof=identities.grant_proof(
+                        node_id, sandbox_id, lease_id, None, None, pool
+                    ),
+                )
             )
-            for i in range(n, sandboxes, nodes)
-        ]
         reports.append(
             NodeReport(
                 node_id=node_id,
@@ -136,7 +143,7 @@ async def run(sandboxes: int, nodes: int, runs: int) -> dict:
         control_plane() as (full_url, identities),
         aiohttp.ClientSession() as http,
     ):
-        await register(http, full_url, identities, node_reports(sandboxes, nodes))
+        await register(http, full_url, identities, node_reports(sandboxes, nodes, identities))
         for _ in range(WARMUP_RUNS):
             await scrape_once(http, empty_url)
             await scrape_once(http, full_url)

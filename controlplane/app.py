@@ -356,7 +356,11 @@ async def prewarm_pool(request: web.Request) -> web.Response:
     if name not in s.config.pools:
         raise ApiError(404, "unknown_pool", f"no pool named {name!r}")
     body = await read_model(request, PrewarmRequest)
-    return model_response(s.prewarm(name, body))
+    token = bearer_token(request)
+    owner = client_id(token)
+    # an operator's prewarm is its own too, and no client quota bounds it
+    quota = None if token_matches(token, s.config.admin_tokens) else s.config.quota_of(owner)
+    return model_response(s.prewarm(name, body, owner, quota))
 
 
 async def prometheus_sd(request: web.Request) -> web.Response:
@@ -475,7 +479,8 @@ def controlplane_api() -> Api:
         body=PrewarmRequest,
         answer=PrewarmInfo,
         summary="announce a burst: count warm sandboxes within within_s, held hold_s more, "
-        "then the normal warm target again; replaces the pool's last prewarm",
+        "then the normal warm target again; replaces this client's last prewarm of the "
+        "pool (never another client's), within the client's quota",
     )
     api.route(
         "PUT",

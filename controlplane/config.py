@@ -12,7 +12,7 @@ from controlplane.identities import LOOPBACK_AGENT_URLS, AgentUrlRule
 from dsec.baselines import PolicyName
 from dsec.httpkit import ApiError, MetricsAccess
 from dsec.image import BASE_IMAGE
-from dsec.models import Name, PoolParams, TemplateSpec
+from dsec.models import MAX_PREWARM_S, Name, PoolParams, TemplateSpec
 from dsec.tokens import client_id, new_token
 
 
@@ -32,6 +32,13 @@ def default_templates() -> dict[str, TemplateSpec]:
 
 
 DEFAULT_MAX_PENDING = 4096  # a flood of acquires from one client stops here
+# a client holds at most this many leases unless its quota says otherwise: one token
+# cannot take a whole cluster by default (DSec's scale needs an operator's quota)
+DEFAULT_MAX_LEASES = 4096
+# a request priority above this jumps every other client's queue: an operator's grant
+DEFAULT_MAX_PRIORITY = 0
+# a prewarm holds warm sandboxes no longer than this past its within_s unless configured
+DEFAULT_MAX_PREWARM_HOLD_S = 3600.0
 
 
 def not_recyclable(params: PoolParams, templates: dict[str, TemplateSpec]) -> list[str]:
@@ -43,17 +50,25 @@ def not_recyclable(params: PoolParams, templates: dict[str, TemplateSpec]) -> li
 
 
 class ClientQuota(BaseModel):
-    """What one client token may do; None: no limit of that kind."""
+    """What one client token may do; None (sent as null): no limit of that kind."""
 
     model_config = ConfigDict(extra="forbid")
 
-    max_leases: int | None = Field(None, ge=0, description="leases held at once")
+    max_leases: int | None = Field(DEFAULT_MAX_LEASES, ge=0, description="leases held at once")
     max_pending: int | None = Field(
         DEFAULT_MAX_PENDING, ge=0, description="acquires waiting at once"
     )
     pools: list[Name] | None = Field(None, description="the pools it may use (None: all)")
     max_priority: int | None = Field(
-        None, ge=-1000, le=1000, description="the highest request priority it may ask for"
+        DEFAULT_MAX_PRIORITY,
+        ge=-1000,
+        le=1000,
+        description="the highest request priority it may ask for",
+    )
+    prewarm_pools: list[Name] | None = Field(
+        None,
+        description="the pools it may prewarm (None: every pool it may use; []: none, "
+        "an admin token prewarms for it)",
     )
 
 
@@ -132,6 +147,12 @@ class ControlPlaneConfig(MetricsAccess):
         None, description="where released idempotency keys are kept across restarts"
     )
     policy: PolicyName = Field("dsec", description="dsec, or a baseline to compare it with")
+    max_prewarm_hold_s: float = Field(
+        DEFAULT_MAX_PREWARM_HOLD_S,
+        ge=0,
+        le=MAX_PREWARM_S,
+        description="the longest hold_s a prewarm may ask for (past it: 422 hold_too_long)",
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> ControlPlaneConfig:

@@ -13,6 +13,13 @@ issues the same ones:
 - its lease key, the key of the exec tokens of its sandboxes (dsec/tokens.py), which
   only it and the control plane know: a node cannot make a token another node accepts.
 
+One key per node is never issued: its grant key, under which the control plane seals
+each lease it grants there (`grant_proof`, in the grant; the agent keeps it with the
+lease and reports it). A node knows its lease key, so a lease token cannot prove to
+the control plane that it made a lease; a grant proof can, also after a restart of
+the control plane, which keeps no record of its grants: a lease a report names
+without a valid proof was never granted, and is not taken (ClusterView).
+
 A node learns them by joining (`POST /v1/agents/{node_id}/join`), with either its own
 node token (what `dsec up` and the cloud provider give the agents they start, so that no
 node holds anything that speaks for another) or the pool's join token (`agent_token`,
@@ -26,6 +33,8 @@ address. A report may name only sandboxes of its own node (`NodeReport` refuses 
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import re
 from dataclasses import dataclass
 from ipaddress import IPv4Network, IPv6Network, ip_address, ip_network
@@ -36,7 +45,7 @@ from urllib.parse import urlsplit
 from pydantic import AfterValidator
 
 from dsec.httpkit import ApiError
-from dsec.models import NodeIdentity
+from dsec.models import NodeIdentity, SandboxRow
 from dsec.statedir import private_dir, write_private
 from dsec.tokens import derive, new_token
 
@@ -82,6 +91,31 @@ class Identities:
         if key is None:
             key = self._lease_keys[node_id] = derive(self._key, "lease key", node_id)
         return key
+
+    def grant_proof(
+        self,
+        node_id: str,
+        sandbox_id: str,
+        lease_id: str,
+        owner: str | None,
+        idempotency_key: str | None,
+        pool: str,
+    ) -> str:
+        """The proof that this control plane granted that lease on that sandbox of
+        `node_id`: an HMAC under the node's grant key, which no node is given."""
+        key = derive(self._key, "grant key", node_id)
+        # none of the fields can hold "|": ids and owners are hex, keys and pools names
+        message = f"{sandbox_id}|{lease_id}|{owner or ''}|{idempotency_key or ''}|{pool}"
+        return hmac.new(key.encode(), message.encode(), hashlib.sha256).hexdigest()
+
+    def granted(self, node_id: str, row: SandboxRow) -> bool:
+        """Whether the lease `row` names carries this control plane's proof of its grant."""
+        if row.lease_id is None or row.grant_proof is None:
+            return False
+        expected = self.grant_proof(
+            node_id, row.id, row.lease_id, row.owner, row.idempotency_key, row.pool
+        )
+        return hmac.compare_digest(row.grant_proof.encode(), expected.encode())
 
     def issue(self, node_id: str) -> NodeIdentity:
         return NodeIdentity(

@@ -112,6 +112,9 @@ class Leases:
             owner=req.owner,
             labels=req.labels,
             request_id=req.id,
+            grant_proof=self.identities.grant_proof(
+                entry.node, entry.id, entry.lease_id, req.owner, req.idempotency_key, req.pool
+            ),
         )
 
         async def run() -> None:
@@ -342,8 +345,9 @@ class Leases:
             raise ApiError(
                 403,
                 "priority_not_allowed",
-                f"this client may ask for priority {quota.max_priority} at most, "
-                f"not {body.priority}",
+                f"this client may ask for priority {quota.max_priority} at most (its "
+                f"quota's max_priority), not {body.priority}",
+                [{"loc": "priority", "msg": f"at most {quota.max_priority}"}],
             )
 
     def _check_room(self, quota: ClientQuota, owner: str) -> None:

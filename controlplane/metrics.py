@@ -149,6 +149,12 @@ class ControlPlaneMetrics:
             ["pool", "kind"],
             registry=r,
         )
+        self.unproven_leases = Counter(
+            "dsec_unproven_leases_total",
+            "Leases a node reported without a valid proof of their grant: not taken",
+            ["node"],
+            registry=r,
+        )
         self.episodes = Counter(
             "dsec_episodes_completed_total",
             "Leases released by their clients",

@@ -2,16 +2,23 @@
 
 An RL trainer knows when its next step starts and how many rollouts it launches. A
 prewarm raises its pool's warm target for one template (the pool's first unless it
-names one) to `count`, from now until `within_s + hold_s` from now, so that `count`
-sandboxes are warm by `within_s`. Each acquire of that pool and template served
-meanwhile uses one up: a burst of `count` acquires finds them warm, and the pool
-does not make `count` more behind it. It then expires by itself and the normal
-target rules again: the sandboxes beyond it are paused after freeze_after like any
-others. A new prewarm replaces the pool's last; `count` 0 ends it.
+names one) by `count`, from now until `within_s + hold_s` from now, so that `count`
+sandboxes are warm by `within_s`. Each acquire of that pool and template by the client
+that announced it, served meanwhile, uses one up: its burst of `count` acquires finds
+them warm, and the pool does not make `count` more behind it. It then expires by
+itself and the normal target rules again: the sandboxes beyond it are paused after
+freeze_after like any others.
 
-The policy sees the active prewarms as plain data in its snapshot (`PrewarmSnap`);
-this module keeps them on the scheduler's clock, drops them as they expire, and
-checks a request against the pool's max_warm and the room on the nodes.
+Each client's prewarm of a pool is its own: a new one replaces that client's last
+(`count` 0 ends it) and never another client's, and the pool warms for the sum of its
+clients' prewarms. A client's prewarms count under its quota: together at most its
+`max_leases`, only in pools it may use and prewarm (`prewarm_pools`; the others take an
+admin token), and none held past the control plane's `max_prewarm_hold_s`.
+
+The policy sees the active prewarms as plain data in its snapshot (`PrewarmSnap`, one
+per pool and template); this module keeps them on the scheduler's clock, drops them as
+they expire, and checks a request against the client's quota, the pool's max_warm and
+the room on the nodes.
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ import logging
 import math
 from dataclasses import dataclass
 
-from controlplane.config import ControlPlaneConfig, unknown_name
+from controlplane.config import ClientQuota, ControlPlaneConfig, unknown_name
 from controlplane.view import ClusterView
 from dsec.httpkit import ApiError
 from dsec.models import PrewarmInfo, PrewarmRequest, TemplateSpec
@@ -36,12 +43,13 @@ HELD = (SandboxState.WARM, SandboxState.PAUSED, SandboxState.CREATING)
 @dataclass
 class Prewarm:
     pool: str
+    owner: str | None  # the client that announced it (None: a caller in this process)
     template: str
     count: int
     within_s: float
     hold_s: float
     started: float  # the scheduler clock's now() when it was accepted
-    served: int = 0  # acquires of its pool and template served since
+    served: int = 0  # acquires of its pool and template by its client served since
 
     @property
     def until(self) -> float:
@@ -53,32 +61,45 @@ class Prewarm:
 
 
 class Prewarms:
-    """The active prewarm of each pool."""
+    """The active prewarm of each client in each pool."""
 
     def __init__(self) -> None:
-        self.by_pool: dict[str, Prewarm] = {}
+        self.by_client: dict[tuple[str, str | None], Prewarm] = {}  # (pool, owner) -> it
 
-    def active(self, now: float) -> dict[str, Prewarm]:
-        for pool, pw in list(self.by_pool.items()):
+    def active(self, now: float) -> dict[tuple[str, str | None], Prewarm]:
+        for key, pw in list(self.by_client.items()):
             if now >= pw.until:
-                del self.by_pool[pool]
-                log.info("prewarm of pool %s expired (%d of %d served)", pool, pw.served, pw.count)
-        return self.by_pool
+                del self.by_client[key]
+                log.info(
+                    "prewarm of pool %s by %s expired (%d of %d served)",
+                    pw.pool,
+                    pw.owner,
+                    pw.served,
+                    pw.count,
+                )
+        return self.by_client
 
-    def snaps(self, now: float) -> dict[str, PrewarmSnap]:
-        """What the policy sees: the prewarms active at `now`."""
-        return {
-            pool: PrewarmSnap(pw.template, pw.count, pw.until, pw.served)
-            for pool, pw in self.active(now).items()
-        }
+    def snaps(self, now: float) -> dict[tuple[str, str], PrewarmSnap]:
+        """What the policy sees: by pool and template, the sum of the active prewarms'
+        targets, held until the last of them ends."""
+        snaps: dict[tuple[str, str], PrewarmSnap] = {}
+        for pw in self.active(now).values():
+            key = (pw.pool, pw.template)
+            was = snaps.get(key, PrewarmSnap(0, pw.until))
+            snaps[key] = PrewarmSnap(was.count + pw.target, max(was.until, pw.until))
+        return snaps
 
     def targets(self, now: float) -> dict[str, int]:
-        """The warm target each active prewarm holds now, by pool (for the gauge)."""
-        return {pool: pw.target for pool, pw in self.active(now).items()}
+        """The warm target the active prewarms hold now, by pool (for the gauge)."""
+        targets: dict[str, int] = {}
+        for pw in self.active(now).values():
+            targets[pw.pool] = targets.get(pw.pool, 0) + pw.target
+        return targets
 
-    def served(self, pool: str, template: str, now: float) -> None:
-        """An acquire of `pool` and `template` was served: it uses up one of the prewarm."""
-        pw = self.active(now).get(pool)
+    def served(self, pool: str, template: str, owner: str | None, now: float) -> None:
+        """An acquire of `pool` and `template` by `owner` was served: it uses up one of
+        that client's prewarm."""
+        pw = self.active(now).get((pool, owner))
         if pw is not None and pw.template == template:
             pw.served += 1
 
@@ -86,17 +107,23 @@ class Prewarms:
         self,
         pool: str,
         body: PrewarmRequest,
+        owner: str | None,
+        quota: ClientQuota | None,
         config: ControlPlaneConfig,
         view: ClusterView,
         now: float,
         wall: float,
     ) -> PrewarmInfo:
-        """Check `body` against the pool and the nodes, and make it the pool's prewarm;
-        an ApiError says what is wrong (404 for a pool that does not exist, 422 for a
-        count beyond what fits, saying what does)."""
+        """Check `body` against `owner`'s `quota` (None: an operator's, or a caller's in
+        this process), the pool and the nodes, and make it `owner`'s prewarm of `pool`;
+        an ApiError says what is wrong (404 for a pool that does not exist, 403 for a
+        pool the client may not prewarm, 422 for a hold past the maximum or a count
+        beyond its quota or what fits, saying what does)."""
         params = config.pools.get(pool)
         if params is None:
             raise ApiError(404, "unknown_pool", f"no pool named {pool!r}")
+        if quota is not None:
+            _check_may_prewarm(pool, quota)
         template = body.template or (params.templates[0] if params.templates else None)
         if template is None:
             raise ApiError(
@@ -114,31 +141,42 @@ class Prewarms:
             for e in view.by_state[state].values()
             if e.pool == pool and e.template == template and e.reserved_for is None
         )
+        active = self.active(now)
         if body.count > 0:
+            _check_hold(body, config.max_prewarm_hold_s)
+            if quota is not None:
+                _check_quota(body, quota, owner, pool, active)
+            others = sum(
+                pw.target
+                for (p, o), pw in active.items()
+                if p == pool and o != owner and pw.template == template
+            )
             room = room_for(spec, view, now)
-            fits = min(params.max_warm, held + room)
+            fits = min(params.max_warm, held + room) - others
             if body.count > fits:
+                beside = f", and other clients' prewarms hold {others}" if others else ""
                 raise ApiError(
                     422,
                     "prewarm_too_large",
-                    f"count {body.count} does not fit; at most {fits}: pool {pool}'s max_warm "
-                    f"is {params.max_warm}, and the nodes have room for {room} more of "
-                    f"template {template} beside the {held} the pool holds",
-                    [{"loc": "count", "msg": f"at most {fits}"}],
+                    f"count {body.count} does not fit; at most {max(0, fits)}: pool {pool}'s "
+                    f"max_warm is {params.max_warm}, and the nodes have room for {room} more "
+                    f"of template {template} beside the {held} the pool holds{beside}",
+                    [{"loc": "count", "msg": f"at most {max(0, fits)}"}],
                 )
-        replaced = self.active(now).pop(pool, None) is not None
+        replaced = active.pop((pool, owner), None) is not None
         if body.count > 0:
-            self.by_pool[pool] = Prewarm(
-                pool, template, body.count, body.within_s, body.hold_s, started=now
+            active[(pool, owner)] = Prewarm(
+                pool, owner, template, body.count, body.within_s, body.hold_s, started=now
             )
         log.info(
-            "prewarm of pool %s: %d of template %s within %.1f s, held %.1f s more%s",
+            "prewarm of pool %s by %s: %d of template %s within %.1f s, held %.1f s more%s",
             pool,
+            owner,
             body.count,
             template,
             body.within_s,
             body.hold_s,
-            " (replaces the last)" if replaced else "",
+            " (replaces its last)" if replaced else "",
         )
         return PrewarmInfo(
             pool=pool,
@@ -150,6 +188,55 @@ class Prewarms:
             until=wall + body.within_s + body.hold_s,
             warm=held,
             replaced=replaced,
+        )
+
+
+def _check_may_prewarm(pool: str, quota: ClientQuota) -> None:
+    """Whether the client may prewarm `pool` at all: 403 naming the rule."""
+    if quota.pools is not None and pool not in quota.pools:
+        raise ApiError(
+            403, "pool_not_allowed", f"this client may use pools {quota.pools}, not {pool!r}"
+        )
+    if quota.prewarm_pools is not None and pool not in quota.prewarm_pools:
+        raise ApiError(
+            403,
+            "prewarm_not_allowed",
+            f"this client may prewarm pools {quota.prewarm_pools} (its quota's "
+            f"prewarm_pools), not {pool!r}: an admin token may",
+        )
+
+
+def _check_hold(body: PrewarmRequest, max_hold_s: float) -> None:
+    if body.hold_s > max_hold_s:
+        raise ApiError(
+            422,
+            "hold_too_long",
+            f"hold_s {body.hold_s:g} is past the maximum, {max_hold_s:g} s (the control "
+            "plane's max_prewarm_hold_s)",
+            [{"loc": "hold_s", "msg": f"at most {max_hold_s:g}"}],
+        )
+
+
+def _check_quota(
+    body: PrewarmRequest,
+    quota: ClientQuota,
+    owner: str | None,
+    pool: str,
+    active: dict[tuple[str, str | None], Prewarm],
+) -> None:
+    """A client's prewarms together ask for no more than it may lease: 422 saying so."""
+    if quota.max_leases is None:
+        return
+    elsewhere = sum(pw.count for (p, o), pw in active.items() if o == owner and p != pool)
+    allowed = max(0, quota.max_leases - elsewhere)
+    if body.count > allowed:
+        raise ApiError(
+            422,
+            "prewarm_over_quota",
+            f"count {body.count} is more than this client may lease: at most {allowed} "
+            f"(its quota's max_leases is {quota.max_leases}, and its prewarms of other "
+            f"pools ask for {elsewhere})",
+            [{"loc": "count", "msg": f"at most {allowed}"}],
         )
 
 

@@ -22,7 +22,8 @@ from collections.abc import Callable
 from controlplane.actuator import Actuator
 from controlplane.agents import AgentClient
 from controlplane.cloud import CloudProvider
-from controlplane.config import ControlPlaneConfig, not_recyclable
+from controlplane.config import ClientQuota, ControlPlaneConfig, not_recyclable
+from controlplane.identities import Identities
 from controlplane.leases import Leases
 from controlplane.metrics import ControlPlaneMetrics, SandboxSeconds, ViewCollector
 from controlplane.prewarm import Prewarms
@@ -199,7 +200,7 @@ class Scheduler:
             match action:
                 case Claim():
                     if req := self.queues.get(action.request_id):
-                        self.prewarms.served(req.pool, req.template, now)
+                        self.prewarms.served(req.pool, req.template, req.owner, now)
                     self.leases.claim(action, now)
                 case Unplaceable():
                     self.leases.unplaceable(action)
@@ -219,6 +220,14 @@ class Scheduler:
         changes = self.view.apply_report(report, now)
         for pool, seconds in changes.busy_s.items():
             self.metrics.busy_seconds.labels(pool).inc(seconds)
+        if changes.unproven:
+            self.metrics.unproven_leases.labels(report.node_id).inc(len(changes.unproven))
+            log.warning(
+                "node %s reported leases this control plane did not grant (no valid grant "
+                "proof), not taken: %s",
+                report.node_id,
+                ", ".join(changes.unproven[:10]),
+            )
         self.leases.learn(changes.added)
         self.wake()
         return changes.ack
@@ -242,11 +251,18 @@ class Scheduler:
         self.config.pools[name] = params
         self.wake()
 
-    def prewarm(self, pool: str, body: PrewarmRequest) -> PrewarmInfo:
-        """An announced burst (controlplane/prewarm.py): raises `pool`'s warm target to
-        `body.count` until it expires; an ApiError says what does not fit."""
+    def prewarm(
+        self,
+        pool: str,
+        body: PrewarmRequest,
+        owner: str | None = None,
+        quota: ClientQuota | None = None,
+    ) -> PrewarmInfo:
+        """An announced burst of client `owner` (controlplane/prewarm.py): raises `pool`'s
+        warm target by `body.count` until it expires; an ApiError says what `quota`
+        (None: no limit) or the pool does not allow."""
         accepted = self.prewarms.accept(
-            pool, body, self.config, self.view, self.clock.now(), self.clock.wall()
+            pool, body, owner, quota, self.config, self.view, self.clock.now(), self.clock.wall()
         )
         self.wake()
         return accepted
@@ -273,7 +289,7 @@ def build_scheduler(
     if confirm_grace_s is None:
         confirm_grace_s = 2 * config.heartbeat_timeout_s
     metrics = ControlPlaneMetrics()
-    view = ClusterView(confirm_grace_s=confirm_grace_s)
+    view = ClusterView(confirm_grace_s=confirm_grace_s, identities=Identities.of(config))
     queues = RequestQueues()
     scheduler = Scheduler(config, view, queues, agents, clock, metrics, cloud, policy, ids)
     metrics.watch(

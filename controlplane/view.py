@@ -6,6 +6,12 @@ those confirmed too recently for the report to have seen them. A control plane t
 restarts with an empty view learns every sandbox and lease back from the heartbeats
 (all but labels, which heartbeats do not carry).
 
+A report may describe only leases this control plane granted: one it does not hold
+already (after a restart, none) is taken only with the grant's proof, which no node can
+make (controlplane/identities.py). A sandbox new to the view whose lease has no valid
+proof is taken as one to remove, its lease dropped (no client sees it or counts it);
+one the view knows keeps what the view holds. Either way the report's other rows count.
+
 Heartbeats are mostly deltas (agent/report.py says why). The view keeps each node's
 rows as last reported, so that a delta amounts to the full report it stands for: the
 sandboxes it names are settled against their rows, and so are those a report could
@@ -20,6 +26,7 @@ import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from dsec.models import DrainState, LeaseEnd, NodeReport, ReportAck, SandboxRow
 from dsec.policy import NodeSnap, Resources, SandboxSnap
@@ -32,6 +39,9 @@ from dsec.states import (
     SandboxState,
     transition,
 )
+
+if TYPE_CHECKING:
+    from controlplane.identities import Identities
 
 log = logging.getLogger(__name__)
 
@@ -152,6 +162,7 @@ class ReportChanges:
     busy_s: dict[str, float] = field(default_factory=dict)  # per pool, newly accounted
     added: list[SandboxEntry] = field(default_factory=list)  # learnt from the report
     vanished: list[SandboxEntry] = field(default_factory=list)
+    unproven: list[str] = field(default_factory=list)  # sandboxes with a lease not granted
 
 
 class ClusterView:
@@ -163,8 +174,12 @@ class ClusterView:
     (the unassigned ones) and the nodes, not to every sandbox in the cluster.
     """
 
-    def __init__(self, confirm_grace_s: float) -> None:
+    def __init__(self, confirm_grace_s: float, identities: Identities | None = None) -> None:
         self.nodes: dict[str, NodeEntry] = {}
+        # checks the proofs of the leases reports name; None takes every lease as granted,
+        # for tests and benchmarks of the report mechanics alone (build_scheduler, which
+        # every control plane runs, always gives its own)
+        self.identities = identities
         self.sandboxes: dict[str, SandboxEntry] = {}  # read freely; change through methods
         self.released: RecentMap[str, None] = RecentMap()  # ids released: late calls learn so
         # A report can be older than the latest confirmed outcome: leave alone what was
@@ -395,6 +410,13 @@ class ClusterView:
             return
         if entry is None:
             entry = self._entry_from_row(node, row, now)
+            if row.lease_id is not None and not self._granted(node, row):
+                changes.unproven.append(sandbox_id)
+                # not a lease, and not a sandbox to hand out: the next tick removes it
+                entry.lease_id = entry.owner = entry.idempotency_key = None
+                entry.state = SandboxState.DESTROYING
+                self.add(entry)
+                return
             if sandbox_id in self.released:
                 # released while its node was away (lost), or reported by a heartbeat
                 # older than its removal: it is to go, and the next tick removes it
@@ -416,6 +438,9 @@ class ClusterView:
         if entry.state == SandboxState.DESTROYING:
             return  # its removal failed and is retried: it is not coming back
         if entry.state != row.state and row.state != SandboxState.CREATING:
+            if row.lease_id not in (None, entry.lease_id) and not self._granted(node, row):
+                changes.unproven.append(sandbox_id)
+                return  # what the view holds stands
             try:
                 self.move(entry, row.state, now)
             except IllegalTransition as e:
@@ -426,6 +451,9 @@ class ClusterView:
             entry.lease_id = row.lease_id
         entry.frozen_at = node.our_time(row.frozen_at, now)
         entry.confirmed_at = now
+
+    def _granted(self, node: NodeEntry, row: SandboxRow) -> bool:
+        return self.identities is None or self.identities.granted(node.id, row)
 
     def _vanish(
         self, node: NodeEntry, entry: SandboxEntry, now: float, changes: ReportChanges

@@ -46,6 +46,8 @@ LabelValue = Annotated[str, StringConstraints(max_length=256), AfterValidator(_p
 LeaseId = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{32}$")]
 IdempotencyKey = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9._:-]{1,128}$")]
 ClientId = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{16}$")]
+# the control plane's seal on a lease it granted (controlplane/identities.py, grant_proof)
+GrantProof = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
 ImageRef = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9._/:@-]{0,254}$")]
 NodeKind = Literal["local", "cloud"]
 SchedulePath = Literal["warm", "thaw", "cold", "overflow"]
@@ -351,10 +353,11 @@ MAX_PREWARM_S = 86_400.0
 
 class PrewarmRequest(Wire):
     """An announced burst: `count` warm sandboxes ready within `within_s`, held `hold_s`
-    more, then the pool's normal warm target again. A new one replaces the pool's last."""
+    more, then the pool's normal warm target again. A new one replaces the client's last
+    of the pool, never another client's (controlplane/prewarm.py)."""
 
     count: int = Field(
-        ge=0, le=100_000, description="warm sandboxes wanted; 0 ends the pool's prewarm"
+        ge=0, le=100_000, description="warm sandboxes wanted; 0 ends this client's prewarm"
     )
     within_s: float = Field(ge=0, le=MAX_PREWARM_S, description="when the burst starts, from now")
     hold_s: float = Field(
@@ -374,7 +377,7 @@ class PrewarmInfo(Wire):
     ready_by: float = Field(description="wall-clock time (Unix seconds) the count is wanted by")
     until: float = Field(description="wall-clock time (Unix seconds) the raise ends")
     warm: int = Field(description="sandboxes of the pool and template warm or on the way now")
-    replaced: bool = Field(description="it replaced an earlier prewarm of the pool")
+    replaced: bool = Field(description="it replaced this client's earlier prewarm of the pool")
 
 
 # The most sandboxes a node holds, of every state (hibernated ones hold no slot but are
@@ -438,6 +441,9 @@ class SandboxRow(NamedTuple):
     busy_s: float  # seconds spent running commands, all time
     active_at: float | None  # when its last command ended (or it was made); None while one runs
     frozen_at: float | None  # when it was first frozen
+    # its lease's LeaseGrant.grant_proof: without it the control plane takes no lease it
+    # does not hold already (after its restart, none)
+    grant_proof: str | None = None
 
 
 def _column():
@@ -446,7 +452,7 @@ def _column():
 
 class SandboxTable(Wire):
     """Sandboxes column by column, one list per SandboxRow field, all of one length:
-    no key repeated per sandbox, and 13 lists of 5,000 validate several times faster
+    no key repeated per sandbox, and 14 lists of 5,000 validate several times faster
     than 5,000 objects (bench/report_scale.py)."""
 
     id: list[SandboxId] = _column()
@@ -462,6 +468,7 @@ class SandboxTable(Wire):
     busy_s: list[Seconds] = _column()
     active_at: list[FiniteFloat | None] = _column()
     frozen_at: list[FiniteFloat | None] = _column()
+    grant_proof: list[GrantProof | None] = _column()
 
     @model_validator(mode="after")
     def _same_length(self) -> SandboxTable:
@@ -626,6 +633,11 @@ class LeaseGrant(Wire):
     owner: ClientId | None = Field(None, description="the client the lease is for")
     labels: dict[LabelKey, LabelValue] = Field(default_factory=dict, max_length=32)
     request_id: str = Field(max_length=128)
+    grant_proof: GrantProof | None = Field(
+        None,
+        description="the control plane's proof of this grant, which no node can make: the "
+        "agent keeps it with the lease and reports it (SandboxRow.grant_proof)",
+    )
 
 
 class ResetSandbox(Wire):

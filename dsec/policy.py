@@ -163,13 +163,12 @@ class CloudSnap:
 
 @dataclass(frozen=True)
 class PrewarmSnap:
-    """A pool's announced burst (`POST /v1/pools/{name}/prewarm`): rule 3 keeps `count`
-    less the acquires it has `served` warm for `template`, while now < `until`."""
+    """The announced bursts of a pool and template (`POST /v1/pools/{name}/prewarm`):
+    rule 3 keeps `count` warm (what its clients' prewarms still want: each one's count
+    less the acquires it has served), while now < `until`."""
 
-    template: str
     count: int
     until: float
-    served: int = 0
 
 
 @dataclass(frozen=True)
@@ -183,7 +182,8 @@ class Snapshot:
     # leased sandboxes now per (pool, template): what replica-counting baselines scale on
     leased: Mapping[tuple[str, str], int] = field(default_factory=dict)
     cloud: CloudSnap | None = None
-    prewarms: Mapping[str, PrewarmSnap] = field(default_factory=dict)  # by pool
+    # by pool and template
+    prewarms: Mapping[tuple[str, str], PrewarmSnap] = field(default_factory=dict)
     seed: int = 0  # varies sampling between ticks while keeping decide() deterministic
 
 
@@ -523,14 +523,14 @@ class _Decision:
     def prewarm_target(self, key: tuple[str, str], params: PoolParams) -> int:
         """What an active prewarm holds warm for (pool, template): its count less the
         acquires it has served, within max_warm; 0 when there is none or it expired."""
-        pw = self.snap.prewarms.get(key[0])
-        if pw is None or pw.template != key[1] or self.now >= pw.until:
+        pw = self.snap.prewarms.get(key)
+        if pw is None or self.now >= pw.until:
             return 0
         # this tick's claims count as served too: the control plane learns of them only
         # once they are applied, and the warm sandboxes they took must not be remade
         asked = {r.id for r in self.snap.requests if (r.pool, r.template) == key}
         now_served = sum(1 for a in self.actions if isinstance(a, Claim) and a.request_id in asked)
-        return max(0, min(params.max_warm, pw.count - pw.served - now_served))
+        return max(0, min(params.max_warm, pw.count - now_served))
 
     def priority(self, pool: str) -> int:
         params = self.pools.get(pool)
@@ -620,8 +620,8 @@ class _Decision:
         for pool_name in sorted(self.pools):
             params = self.pools[pool_name]
             templates = {*params.templates, *(t for p, t in self.pending if p == pool_name)}
-            if (pw := self.snap.prewarms.get(pool_name)) is not None:
-                templates.add(pw.template)  # a prewarm may name a template not kept warm
+            # a prewarm may name a template not kept warm
+            templates |= {t for p, t in self.snap.prewarms if p == pool_name}
             for template_name in sorted(templates):
                 template = self.snap.templates.get(template_name)
                 if template is None:

@@ -122,7 +122,7 @@ def test_a_prewarm_beyond_max_warm_or_the_room_on_the_nodes_is_refused_saying_wh
         e = beyond_room.value
         assert (e.status, e.code) == (422, "prewarm_too_large")
         assert "at most 10" in e.message and "room for 10 more" in e.message, e.message
-        assert not h.scheduler.prewarms.by_pool  # nothing was accepted
+        assert not h.scheduler.prewarms.by_client  # nothing was accepted
         h.prewarm(count=10, within_s=5)
         await h.settle(5)
         # the 10 the pool holds count as its own: the same count again still fits

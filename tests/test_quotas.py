@@ -27,6 +27,8 @@ def harness(**quota) -> Harness:
         pools=POOLS,
         clients=[ClientSpec(token=LIMITED, quota=ClientQuota(**quota))],
         client_tokens=[OTHER],
+        # every other client unlimited, to show the limited one's quota is its own
+        default_quota=ClientQuota(max_leases=None, max_priority=None),
     )
 
 

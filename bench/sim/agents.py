@@ -103,6 +103,7 @@ class SimSandbox:
             busy_s=self.busy_s,
             active_at=active_at,
             frozen_at=self.frozen_at,
+            grant_proof=lease.grant_proof if lease else None,
         )
         return row
 

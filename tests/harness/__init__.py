@@ -279,9 +279,11 @@ class Harness:
     async def release(self, lease: Lease) -> None:
         await self.scheduler.leases.release(lease.id, lease.lease_token)
 
-    def prewarm(self, pool: str = "default", **fields) -> PrewarmInfo:
-        """An announced burst, as `POST /v1/pools/{pool}/prewarm` makes it."""
-        return self.scheduler.prewarm(pool, PrewarmRequest(**fields))
+    def prewarm(self, pool: str = "default", owner: str | None = ALICE, **fields) -> PrewarmInfo:
+        """An announced burst of client `owner`, under its quota, as
+        `POST /v1/pools/{pool}/prewarm` makes it (None: no client, no quota)."""
+        quota = self.config.quota_of(owner) if owner is not None else None
+        return self.scheduler.prewarm(pool, PrewarmRequest(**fields), owner, quota)
 
     async def settle(self, seconds: float = 2.0) -> None:
         """Let virtual time pass: ticks, outcomes and heartbeats happen meanwhile."""
