@@ -715,6 +715,10 @@ async def test_prometheus_scrapes_a_pool_with_a_metrics_token_as_deploy_says(
 ):
     spec = make_spec(tmp_path / "state", nodes=1, metrics_token=True)
     async with started_pool(spec, docker_client) as pool:
+        async with aiohttp.ClientSession() as http:
+            for path in ("/metrics", "/v1/sd/prometheus"):  # while anyone else is refused
+                async with http.get(f"{pool.url}{path}") as resp:
+                    assert resp.status == 401, path
         config = with_metrics_token(prometheus_config(pool.url), pool.metrics_token_file)
         async with prometheus_on(config, tmp_path) as url:
             await eventually(partial(every_target_up, url), "scrapes with the metrics token")

@@ -46,6 +46,8 @@ from dsec.tokens import new_token
 
 READY_TIMEOUT_S = 60.0
 MAX_CLOUD_NODES = 200  # as the control plane's config allows
+# prints deploy/prometheus.yml for a pool's address and credentials (deploy/README.md)
+PROMETHEUS_CONFIG_SCRIPT = Path(__file__).resolve().parents[2] / "deploy" / "prometheus-config"
 
 
 class LocalPoolError(RuntimeError):
@@ -76,7 +78,8 @@ class LocalPoolSpec:
     execs_per_sandbox: int | None = None  # the agents' own default unless set
     execs_per_node: int | None = None
     # /metrics and discovery need a metrics token (DSEC_METRICS_TOKEN, made if unset);
-    # a metrics token set in the environment turns this on as well
+    # a metrics token set in the environment turns this on as well. `dsec up` sets it
+    # unless --open-metrics (pool_fields); a spec made in code keeps them open
     metrics_token: bool = False
     # every service on HTTPS, with a CA made for this pool at each start (dsec/tls.py)
     tls: bool = False
@@ -189,6 +192,11 @@ class LocalPool:
         return self.dir / "metrics-token"
 
     @property
+    def prometheus_config_file(self) -> Path:
+        """A Prometheus configuration for this pool (`prometheus --config.file=...`)."""
+        return self.dir / "prometheus.yml"
+
+    @property
     def url(self) -> str:
         assert self.controlplane is not None
         return self.controlplane.url
@@ -275,6 +283,31 @@ class LocalPool:
         self._write_env_file()
         if self.tokens.metrics is not None:
             write_private(self.metrics_token_file, self.tokens.metrics.encode())
+        await self._write_prometheus_config()
+
+    async def _write_prometheus_config(self) -> None:
+        """deploy/prometheus.yml for this pool, as deploy/prometheus-config makes it (its
+        address, CA and metrics token file), with alerts.yml beside it; nothing when
+        dsec runs without its deploy/ folder (installed from a wheel)."""
+        if not PROMETHEUS_CONFIG_SCRIPT.exists():
+            return
+        settings = {"DSEC_CONTROLPLANE_URL": self.url}
+        if self.ca:
+            settings["DSEC_CA_FILE"] = str(self.ca)
+        if self.tokens.metrics is not None:
+            settings["DSEC_METRICS_TOKEN_FILE"] = str(self.metrics_token_file)
+        proc = await asyncio.create_subprocess_exec(
+            str(PROMETHEUS_CONFIG_SCRIPT),
+            env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), **settings},
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        config, errors = await proc.communicate()
+        if proc.returncode != 0:
+            raise LocalPoolError(f"prometheus-config failed: {errors.decode(errors='replace')}")
+        write_private(self.prometheus_config_file, config)
+        alerts = PROMETHEUS_CONFIG_SCRIPT.with_name("alerts.yml")
+        write_private(self.prometheus_config_file.with_name(alerts.name), alerts.read_bytes())
 
     def controlplane_settings(self) -> dict[str, Any]:
         """More of the control plane's config: where it listens, which agents it takes."""
@@ -361,6 +394,10 @@ class LocalPool:
             "service_discovery": f"{self.url}/v1/sd/prometheus",
             # None: open; else what Prometheus sends (deploy/README.md)
             "metrics_token_file": str(self.metrics_token_file) if self.tokens.metrics else None,
+            # None: no deploy/ folder to make it from
+            "prometheus_config": str(self.prometheus_config_file)
+            if self.prometheus_config_file.exists()
+            else None,
             "env_file": str(self.env_file),
             "ca": str(self.ca) if self.ca else None,  # None: plain HTTP
             "nodes": [{"node_id": a.name, "url": a.url} for a in self.agents],
@@ -454,7 +491,7 @@ def pool_fields(args: argparse.Namespace) -> dict:
         capacity=capacity,
         pool=params,
         state_dir=args.state_dir,
-        metrics_token=args.metrics_token,
+        metrics_token=not args.open_metrics,
         cloud_nodes=args.cloud_nodes,
     )
 
@@ -510,6 +547,8 @@ def _print_summary(summary: dict) -> None:
     print(f"prometheus sd  {summary['service_discovery']}")
     if summary["metrics_token_file"]:
         print(f"metrics token  {summary['metrics_token_file']} (Prometheus: credentials_file)")
+    if summary["prometheus_config"]:
+        print(f"prometheus     prometheus --config.file={summary['prometheus_config']}")
     print(f"dashboard      {DASHBOARD_HINT}")
     if summary["ca"]:
         print(f"CA             {summary['ca']} (DSEC_CA; in the env file)")
@@ -550,10 +589,17 @@ def pool_flags(parser: argparse.ArgumentParser, name: str, cloud_help: str) -> N
         type=Path,
         help="a JSON file of pools, templates and client quotas (README: client quotas)",
     )
-    parser.add_argument(
+    metrics = parser.add_mutually_exclusive_group()
+    metrics.add_argument(
         "--metrics-token",
         action="store_true",
-        help="/metrics and discovery need a metrics token: $DSEC_METRICS_TOKEN, or a new one "
-        "(then in the env file); on without this flag when that variable is set",
+        help="the default: /metrics and discovery need a metrics token, $DSEC_METRICS_TOKEN "
+        "or a new one (then in the env file and <state-dir>/<name>/metrics-token)",
+    )
+    metrics.add_argument(
+        "--open-metrics",
+        action="store_true",
+        help="/metrics and discovery open to anyone who can connect, unless "
+        "$DSEC_METRICS_TOKEN is set",
     )
     parser.add_argument("--json", action="store_true", help="print where things are as JSON")
