@@ -151,13 +151,20 @@ async def get_node(request: web.Request) -> web.Response:
     return model_response(node_report(agent))
 
 
-async def exec_in_sandbox(request: web.Request) -> web.Response:
+async def exec_in_sandbox(request: web.Request) -> web.StreamResponse:
     agent = _agent(request)
     sandbox_id, token = sandbox_id_param(request), bearer_token(request)
     await _lease_holder(request, sandbox_id, token)  # before the body: a stranger's is unread
     req = await read_model(request, ExecRequest)
-    result = await agent.execs.run(sandbox_id, token, req, request.remote)
-    return model_response(result)
+    async with agent.execs.run(sandbox_id, token, req, request.remote) as answer:
+        # written as it is encoded: the output is in memory once, not three times
+        resp = web.StreamResponse(headers={"Content-Type": "application/json"})
+        await resp.prepare(request)
+        for piece in answer:
+            await resp.write(piece)
+            await asyncio.sleep(0)  # a write the socket takes at once yields nothing
+        await resp.write_eof()
+    return resp
 
 
 async def exec_stream(request: web.Request) -> web.StreamResponse:

@@ -11,6 +11,10 @@ from dsec.addresses import advertised_url, check_advertise_url, listens_everywhe
 from dsec.httpkit import MetricsAccess
 from dsec.models import Capacity, Name, NodeKind
 
+# The agent relays about 2x this per CPU-second of its own (bench.hostile measures it):
+# a flooding sandbox then costs the agent about half its quota.
+RELAY_BYTES_PER_CPU_S = 64 << 20
+
 
 class AgentConfig(MetricsAccess):
     node_id: Name
@@ -44,6 +48,19 @@ class AgentConfig(MetricsAccess):
     )
     execs_per_node: int = Field(
         2048, ge=1, le=1_000_000, description="commands the node runs at once; more answer 429"
+    )
+    output_budget_bytes: int = Field(
+        128 << 20,
+        ge=1 << 20,
+        description="output the node's commands hold in memory at once (one-shot answers "
+        "being gathered, chunks being relayed); a tenant holds at most budget / (tenants "
+        "holding or waiting + 1), and a command with no room waits, its pipe full",
+    )
+    relay_bytes_per_cpu_s: int = Field(
+        RELAY_BYTES_PER_CPU_S,
+        ge=64 << 10,
+        description="a sandbox's output relayed per second for each CPU of its template, so "
+        "relaying a flood costs the agent less than the sandbox's own CPU quota",
     )
     audit_max_bytes: int = Field(
         64 << 20, ge=4096, description="the audit log's size at which it is rotated"

@@ -12,17 +12,18 @@ may all be taken, and no engine exec), else by a script inside the sandbox.
 
 One-shot commands (`run`) return their output capped; streaming ones (`stream`, the
 WebSocket route in agent/app.py) hand each chunk to a sink as it is produced and take
-stdin. Both write the same audit record.
+stdin. Both write the same audit record. What either holds of its output counts in the
+node's output budget, and a sandbox's output is read no faster than its relay rate
+(agent/output.py): a command with no room, or past its rate, waits with its pipe full.
 """
 
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import logging
 import secrets
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -37,7 +38,8 @@ from agent.docker_driver import (
 )
 from agent.engine import Work
 from agent.host import Unavailable, kill_command_from_host
-from agent.resident import RunningCommand
+from agent.output import Gathered, Held, OutputBudget, RelayRate
+from agent.resident import CHUNK, RunningCommand
 from agent.sandboxes import Sandbox
 from dsec.httpkit import ApiError, CredentialRefused
 from dsec.models import ExecExit, ExecRequest, ExecResult, ExecStreamRequest
@@ -94,10 +96,20 @@ def _terminal_env(attach: ExecStreamRequest | None) -> dict[str, str]:
     return {"TERM": "xterm"} if attach is not None and attach.tty else {}
 
 
+def tenant_of(sandbox: Sandbox) -> str:
+    """Whom a sandbox's output is counted against: its lease's client."""
+    return sandbox.record.owner or sandbox.id
+
+
 class Execs:
     def __init__(self, agent: Agent) -> None:
         self.agent = agent
         self.running = 0  # commands under way on this node
+        self.output = OutputBudget(agent.config.output_budget_bytes)
+        metrics = agent.metrics
+        metrics.output_buffered.labels(agent.config.node_id).set_function(lambda: self.output.used)
+        self.relayed = metrics.output_relayed.labels(agent.config.node_id)
+        self.throttled = metrics.output_throttled.labels(agent.config.node_id)
 
     async def hold(self, sandbox_id: str, token: str | None) -> tuple[Sandbox, str]:
         """`authorize`, once the lease `token` proves by itself is taken up: the control
@@ -186,29 +198,39 @@ class Execs:
 
     # --- the two ways to run a command ------------------------------------------
 
+    @contextlib.asynccontextmanager
+    async def held(self, sandbox_id: str, token: str | None) -> AsyncIterator[Held]:
+        """A command's account in the node's output budget, emptied when it ends."""
+        sandbox, _ = await self.hold(sandbox_id, token)
+        held = Held(self.output, tenant_of(sandbox))
+        try:
+            yield held
+        finally:
+            held.close()
+
+    @contextlib.asynccontextmanager
     async def run(
         self, sandbox_id: str, token: str | None, req: ExecRequest, peer: str | None
-    ) -> ExecResult:
-        """Run a command to its end; its output capped at `req.max_output_bytes`."""
-        out, err = bytearray(), bytearray()
+    ) -> AsyncIterator[Iterator[bytes]]:
+        """Run a command to its end; its answer, an ExecResult as JSON in pieces, with its
+        output capped at `req.max_output_bytes`, held in the budget until it is written."""
+        gathered = Gathered(req.encoding)
 
         async def keep(stream: int, data: bytes) -> None:
-            (out if stream == STDOUT else err).extend(data)
+            gathered.add(stream, data)
 
-        outcome = await self._audited(sandbox_id, token, req, peer, keep)
-        if req.encoding == "base64":
-            stdout, stderr = base64.b64encode(out).decode(), base64.b64encode(err).decode()
-        else:
-            stdout, stderr = out.decode("utf-8", "replace"), err.decode("utf-8", "replace")
-        return ExecResult(
-            exit_code=outcome.exit_code,
-            stdout=stdout,
-            stderr=stderr,
-            encoding=req.encoding,
-            timed_out=outcome.timed_out,
-            truncated=outcome.truncated,
-            duration_ms=outcome.duration_ms,
-        )
+        async with self.held(sandbox_id, token) as held:
+            outcome = await self._audited(sandbox_id, token, req, peer, keep, held, keeps=True)
+            result = ExecResult(
+                exit_code=outcome.exit_code,
+                stdout="",
+                stderr="",
+                encoding=gathered.encoding(),
+                timed_out=outcome.timed_out,
+                truncated=outcome.truncated,
+                duration_ms=outcome.duration_ms,
+            )
+            yield gathered.answer(result)
 
     async def stream(
         self,
@@ -221,7 +243,10 @@ class Execs:
     ) -> ExecExit:
         """Run a command, giving each chunk of its output to `sink` as it comes;
         `on_started` gets the running process (for stdin and resizing)."""
-        outcome = await self._audited(sandbox_id, token, req, peer, sink, on_started, req)
+        async with self.held(sandbox_id, token) as held:
+            outcome = await self._audited(
+                sandbox_id, token, req, peer, sink, held, on_started=on_started, attach=req
+            )
         return ExecExit(
             exit_code=outcome.exit_code,
             timed_out=outcome.timed_out,
@@ -238,9 +263,14 @@ class Execs:
         req: ExecRequest,
         peer: str | None,
         sink: Sink,
+        held: Held,
+        *,
+        keeps: bool = False,
         on_started: Callable[[RunningCommand], None] | None = None,
         attach: ExecStreamRequest | None = None,
     ) -> Outcome:
+        """`sink` gets the output; with `keeps`, it keeps what it gets, which stays in
+        `held`, else each chunk is given back once the sink has taken it."""
         agent = self.agent
         sandbox, lease_id = await self.hold(sandbox_id, token)
         self.admit(sandbox)
@@ -260,7 +290,7 @@ class Execs:
         )
         try:
             async with self.running_in(sandbox, lease_id):
-                outcome = await self._command(sandbox, req, sink, on_started, attach)
+                outcome = await self._command(sandbox, req, sink, held, keeps, on_started, attach)
         except (ApiError, asyncio.CancelledError, ConnectionError) as e:
             record.error = e.code if isinstance(e, ApiError) else "cancelled"
             record.duration_ms = (agent.clock.now() - asked) * 1000
@@ -283,6 +313,8 @@ class Execs:
         sandbox: Sandbox,
         req: ExecRequest,
         sink: Sink,
+        held: Held,
+        keeps: bool,
         on_started: Callable[[RunningCommand], None] | None,
         attach: ExecStreamRequest | None,
     ) -> Outcome:
@@ -318,8 +350,15 @@ class Execs:
 
         async def pump() -> None:
             nonlocal truncated
-            while (chunk := await proc.read()) is not None:
+            while True:
+                await held.take(CHUNK)  # room for the next chunk, before it is read
+                if (chunk := await proc.read()) is None:
+                    held.give_back(CHUNK)
+                    return
                 stream, data = chunk
+                taken = max(CHUNK, len(data))
+                await held.take(taken - CHUNK)  # (an engine's frame may be larger)
+                await self._relay_wait(sandbox, len(data))
                 if not first and stream == STDOUT:
                     first.append(data[:200])
                 room = req.max_output_bytes - sent[stream]
@@ -328,6 +367,7 @@ class Execs:
                 if data:
                     sent[stream] += len(data)
                     await sink(stream, data)
+                held.give_back(taken - (len(data) if keeps else 0))
 
         timed_out = False
         try:
@@ -364,6 +404,18 @@ class Execs:
             duration_ms=(agent.clock.now() - started) * 1000,
             sent=sent,
         )
+
+    async def _relay_wait(self, sandbox: Sandbox, size: int) -> None:
+        """Wait as long as `size` bytes read from `sandbox` cost at its relay rate: its
+        template's CPUs times relay_bytes_per_cpu_s."""
+        rate = sandbox.relay_rate
+        if rate is None:
+            per_s = sandbox.spec.cpus * self.agent.config.relay_bytes_per_cpu_s
+            rate = sandbox.relay_rate = RelayRate(per_s)
+        self.relayed.inc(size)
+        if delay := rate.delay(size, self.agent.clock.now()):
+            self.throttled.inc(delay)
+            await self.agent.clock.sleep(delay)
 
     async def _engine_start(self, container_id: str, argv: list[str], **how) -> Process:
         """The command through the engine's exec. A sandbox at its pids limit can make

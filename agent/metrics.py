@@ -64,6 +64,24 @@ class AgentMetrics:
             ["node", "work"],
             registry=self.registry,
         )
+        self.output_buffered = Gauge(
+            "dsec_agent_output_buffered_bytes",
+            "Commands' output held in memory, counted in the node's output budget",
+            ["node"],
+            registry=self.registry,
+        )
+        self.output_relayed = Counter(
+            "dsec_agent_output_relayed_bytes_total",
+            "Commands' output read from sandboxes (sent, or dropped past a cap)",
+            ["node"],
+            registry=self.registry,
+        )
+        self.output_throttled = Counter(
+            "dsec_agent_output_throttled_seconds_total",
+            "Time commands' output waited for its sandbox's relay rate",
+            ["node"],
+            registry=self.registry,
+        )
         self.heartbeat_failures = Counter(
             "dsec_agent_heartbeat_failures_total",
             "Heartbeats the control plane did not accept",

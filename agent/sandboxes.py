@@ -7,6 +7,7 @@ import asyncio
 from dataclasses import dataclass, field
 
 from agent.host import LoopProcess
+from agent.output import RelayRate
 from agent.store import SandboxRecord
 from dsec.models import TemplateSpec
 from dsec.states import SandboxState, transition
@@ -24,6 +25,8 @@ class Sandbox:
     reset_from: str | None = None  # the lease its last reset ended (a retry finds it done)
     resident_tried_at: float | None = None  # its command loop last started (agent/resident.py)
     loop: LoopProcess | None = None  # that loop, where a reset may keep it (agent/host.py)
+    init_pid: int | None = None  # its container's init, for its files (agent/files.py checks it)
+    relay_rate: RelayRate | None = None  # its output's, from its first command (agent/execs.py)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     # held while its command loop's exec starts (agent/resident.py), without `lock`: a
     # lease or a command need not wait for it, but a pause or a reset must
