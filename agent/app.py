@@ -18,7 +18,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from agent import runtime
 from agent.audit import AuditRecords, RefusalRecord
 from agent.docker_driver import DockerOpError
-from agent.files import checked_path
+from agent.files import checked_mode, checked_path
 from agent.node import SHUTDOWN_WAIT_S, Agent
 from agent.report import node_report, sandbox_report
 from agent.resident import RunningCommand
@@ -271,13 +271,11 @@ def _fits(request: web.Request, sandbox: Sandbox, path: str) -> None:
 
 async def put_file(request: web.Request) -> web.Response:
     agent, sandbox, lease_id, path = await _file_target(request)
-    mode = request.query.get("mode", "")
-    if mode and not (mode.isdigit() and 0 <= int(mode) <= 0o7777):
-        raise ApiError(400, "invalid_mode", f"mode is the permission bits as a number: {mode!r}")
+    mode = checked_mode(request.query.get("mode"))
     _fits(request, sandbox, path)
     async with agent.execs.running_in(sandbox, lease_id):
         chunks = body_chunks(request, FILE_CHUNK)
-        info = await agent.files.write(sandbox, "write", path, chunks, mode and oct(int(mode))[2:])
+        info = await agent.files.write(sandbox, "write", path, chunks, mode)
     return model_response(info)
 
 
