@@ -7,6 +7,7 @@ from typing import Annotated
 
 from pydantic import AfterValidator, Field, model_validator
 
+from agent.users import UserRange, default_uid_base
 from dsec.addresses import advertised_url, check_advertise_url, listens_everywhere
 from dsec.httpkit import MetricsAccess
 from dsec.models import Capacity, Name, NodeKind
@@ -49,6 +50,14 @@ class AgentConfig(MetricsAccess):
     execs_per_node: int = Field(
         2048, ge=1, le=1_000_000, description="commands the node runs at once; more answer 429"
     )
+    sandbox_uid_base: int | None = Field(
+        None,
+        ge=1,
+        le=2**31 - 1,
+        description="the first uid of the node's range, one per sandbox (agent/users.py); "
+        "None: derived from the node id",
+    )
+    sandbox_uid_count: int = Field(65_536, ge=1, le=1 << 24, description="uids in that range")
     output_budget_bytes: int = Field(
         128 << 20,
         ge=1 << 20,
@@ -79,6 +88,12 @@ class AgentConfig(MetricsAccess):
                 "--advertise-url (advertise_url), e.g. http://10.0.0.12:8701"
             )
         return self
+
+    @property
+    def sandbox_uids(self) -> UserRange:
+        count = self.sandbox_uid_count
+        base = self.sandbox_uid_base or default_uid_base(self.node_id, count)
+        return UserRange(base, count)
 
     def advertised(self, bound_url: str) -> str:
         """The URL this agent reports, once it listens at `bound_url`."""

@@ -26,6 +26,7 @@ from aiodocker.stream import Stream
 
 from agent.engine import CREATES, CreateLimit, EngineQueue, Work
 from agent.host import kill_pid_namespace
+from agent.users import WORKDIR_MODE, numeric_user
 from dsec.clock import Clock
 from dsec.models import TemplateSpec
 
@@ -51,6 +52,13 @@ RESIDENT_MOUNT = "/.dsec"  # where a sandbox sees its command loop's directory
 # any process of one's own; ptrace likewise) and leave in them what the next lease
 # would meet. Commands always run as the template's user, named on every exec.
 KEEPER_USER = "65534:65534"
+# Who runs a sandbox's command loop (agent/resident.py): root in the container, holding
+# only the capabilities to become the sandbox's user for each command (no CAP_KILL, no
+# CAP_DAC_OVERRIDE: it can neither signal the tenant's processes nor open the tenant's
+# files). The tenant's user then cannot signal, trace or read the loop, nor open its
+# pipes (0600, root's), so no command's answer comes from anyone but the loop.
+LOOP_USER = "0:0"
+LOOP_CAPS = ["SETUID", "SETGID"]
 
 LABEL_NODE = "dsec.node"
 LABEL_POOL = "dsec.pool"
@@ -90,21 +98,30 @@ def _error_kind(op: str, e: DockerError) -> str:
 def container_config(
     spec: TemplateSpec,
     labels: dict[str, str],
+    user: str,
     resident_dir: Path | None = None,
     entrypoint: list[str] | None = None,
 ) -> dict[str, Any]:
-    """The Engine API's create body for a sandbox, hardened as its template says;
-    `resident_dir` is mounted read-only for its command loop (agent/resident.py), which
-    `entrypoint`, when given, starts with the container."""
+    """The Engine API's create body for a sandbox whose commands run as `user`, hardened
+    as its template says; `resident_dir` is mounted read-only for its command loop
+    (agent/resident.py), which `entrypoint`, when given, starts with the container as
+    LOOP_USER (the template's command is then dropped to its user by the boot)."""
     # The limit makes room for both file systems on top of memory_mb, so filling the
     # work dir fails with ENOSPC at workdir_mb instead of OOM-killing every process in
     # the sandbox, and memory_mb stays what the processes get.
     ram_limit = spec.memory_limit_mb << 20
+    uid, gid = numeric_user(user) or (1000, 1000)  # a named user: the image's sandbox ids
+    if entrypoint is not None:
+        init_user = LOOP_USER
+    else:
+        init_user = KEEPER_USER if spec.recyclable else user
     config: dict[str, Any] = {
         "Image": spec.image,
         "Cmd": spec.command,
         "Labels": labels,
-        "User": KEEPER_USER if spec.recyclable else spec.user,
+        "User": init_user,
+        # a sandbox's own uid has no home in the image's /etc/passwd: the work dir is
+        "Env": [f"HOME={spec.workdir}"],
         "WorkingDir": spec.workdir,
         "NetworkDisabled": True,
         "HostConfig": {
@@ -113,8 +130,8 @@ def container_config(
             # exec: an agent's tools build and run programs in its work dir and /tmp
             # (Docker's default is noexec); nosuid and no-new-privileges keep them unprivileged
             "Tmpfs": {
-                spec.workdir: f"rw,exec,nosuid,nodev,size={spec.workdir_mb}m,mode=0755,"
-                "uid=1000,gid=1000",
+                spec.workdir: f"rw,exec,nosuid,nodev,size={spec.workdir_mb}m,mode={WORKDIR_MODE:o},"
+                f"uid={uid},gid={gid}",
                 "/tmp": f"rw,exec,nosuid,nodev,size={spec.tmp_mb}m,mode=1777",
             },
             "NanoCpus": int(spec.cpus * 1e9),
@@ -124,6 +141,8 @@ def container_config(
             "Ulimits": [{"Name": "nofile", "Soft": spec.nofile_limit, "Hard": spec.nofile_limit}],
             "Binds": [f"{resident_dir}:{RESIDENT_MOUNT}:ro"] if resident_dir else [],
             "CapDrop": ["ALL"],
+            # the loop's (LOOP_CAPS) where one runs: the tenant's user holds none of them
+            "CapAdd": LOOP_CAPS if entrypoint is not None else [],
             "SecurityOpt": ["no-new-privileges"],
             "Init": True,
             "LogConfig": {
@@ -306,9 +325,11 @@ class AsyncDocker:
         work: Work,
         resident_dir: Path | None = None,
         entrypoint: list[str] | None = None,
+        user: str | None = None,
     ) -> str:
-        """Create and start a sandbox container."""
-        config = container_config(spec, labels, resident_dir, entrypoint)
+        """Create and start a sandbox container whose commands run as `user` (None: its
+        template's)."""
+        config = container_config(spec, labels, user or spec.user, resident_dir, entrypoint)
 
         async def create_and_start() -> str:
             container = await self.api.containers.create(config, name=name)

@@ -40,6 +40,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
+from agent.users import WORKDIR_MODE
+
 T = TypeVar("T")
 KILL_ROUNDS = 100  # rounds of stop-and-kill before a reset gives up on what forks on
 SETTLE_S = 2.0  # how long killed processes may take to be gone before a reset fails
@@ -371,7 +373,9 @@ def _open_dir(root: int, path: str) -> int:
 
 def _empty(root: int, path: str) -> list[str]:
     """Remove everything in directory `path` (dotfiles, unreadable directories: root
-    reads them); what is left, as "file PATH"."""
+    reads them), and give it back its mode where the tenant owns it (the work dir: a
+    lease's `chmod 0` would fail the next lease's commands); what is left, as "file
+    PATH"."""
     try:
         fd = _open_dir(root, path)
     except FileNotFoundError:
@@ -379,6 +383,8 @@ def _empty(root: int, path: str) -> list[str]:
     except OSError as e:
         return [f"dir {path}: {e.strerror}"]
     try:
+        if os.fstat(fd).st_uid != 0:
+            os.fchmod(fd, WORKDIR_MODE)
         for name in os.listdir(fd):
             try:
                 if stat.S_ISDIR(os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode):

@@ -114,6 +114,7 @@ class Agent:
         self.execs = Execs(self)
         self.files = Files(self)
         self.resident = Resident(self)
+        self.uids = config.sandbox_uids
 
     async def to_completion(self, op: Coroutine[Any, Any, T]) -> T:
         """Run a control plane's request to its end even if the caller hangs up (a control
@@ -196,6 +197,7 @@ class Agent:
             pool=req.pool,
             template=req.template.model_dump(),
             created_at=self.clock.wall(),
+            user=self.uids.user_for(req.template.user, (s.user for s in self.sandboxes.values())),
         )
         sandbox = Sandbox(record, req.template, SandboxState.CREATING, self.clock.now())
         self.sandboxes[req.sandbox_id] = sandbox  # holds the slot while Docker works
@@ -231,17 +233,27 @@ class Agent:
         started its command loop itself (agent/resident.py). A template command the
         image lacks is the engine's start_failed, as when the engine looks for it."""
         record = sandbox.record
-        resident_dir = self.resident.prepare(record.id)  # a few small local writes
+        resident_dir = self.resident.prepare(sandbox)  # a few small local writes
+        entrypoint = await self.resident.entrypoint(sandbox) if resident_dir else None
+        if entrypoint is None and resident_dir is not None:  # a loop needs its boot
+            self.resident.remove(record.id)
+            resident_dir = None
         labels = self.labels_for(record.id, record.pool, sandbox.spec.name)
         create = functools.partial(
-            self.docker.create, f"dsec-{record.id}", spec, labels, work, resident_dir
+            self.docker.create,
+            f"dsec-{record.id}",
+            spec,
+            labels,
+            work,
+            resident_dir,
+            entrypoint,
+            user=sandbox.user,
         )
-        entrypoint = await self.resident.entrypoint(record.id, sandbox.spec)
         if entrypoint is None:
             record.container_id = await create()
             return False
         async with self.resident.boot_heard(record.id) as boot:
-            record.container_id = await create(entrypoint)
+            record.container_id = await create()
             said = await boot.said()
         if said == NO_COMMAND:
             raise DockerOpError(
@@ -252,7 +264,9 @@ class Agent:
             )
         if said != BOOTED:
             log.warning("sandbox %s: its container's boot said %r: loop by exec", record.id, said)
-        return said == BOOTED
+        # a recyclable template's loop is started by an engine exec, whose PID a reset
+        # knows (and so may keep the loop for the next lease)
+        return said == BOOTED and not sandbox.spec.recyclable
 
     def loop_started_with(self, sandbox: Sandbox, booted: bool) -> None:
         """A new container's loop: started with it, or by an engine exec from here on."""
@@ -523,11 +537,11 @@ class Agent:
                 sandbox.reset_from = req.lease_id
                 sandbox.last_active = self.clock.now()
                 self.metrics.observe_reset(path, sandbox.last_active - started)
-                if sandbox.loop is not None:  # kept, for the next lease's commands
-                    self.resident.flush_ctl(sandbox.id)
-                elif path == "engine":
-                    sandbox.resident_tried_at = started  # the reset started its loop again
-                else:  # killed with the rest: started again, once the engine has time
+                # a loop kept (sandbox.loop) serves the next lease's commands as it is
+                if sandbox.loop is None and path == "engine":
+                    # the engine's reset, as the tenant's user, leaves the loop running
+                    sandbox.resident_tried_at = started
+                elif sandbox.loop is None:  # killed with the rest: started again, in time
                     sandbox.resident_tried_at = None
                     self.resident.ensure_loop(sandbox)
                 return sandbox
@@ -561,7 +575,7 @@ class Agent:
     async def _reset_once(self, sandbox: Sandbox, dirs: list[str]) -> tuple[str, list[str]]:
         """One round: which way it went, and what it found left. Keeps `sandbox.loop`
         only where the loop outlived it unchanged."""
-        container_id, spec = sandbox.record.container_id, sandbox.spec
+        container_id = sandbox.record.container_id
         loop, sandbox.loop = sandbox.loop, None
         try:
             pid = await self.docker.init_pid(container_id)
@@ -583,15 +597,15 @@ class Agent:
             raise ApiError(
                 409, "reset_failed", f"reset still running after {RESET_TIMEOUT_S} s"
             ) from e
-        out = await self._reset_run(container_id, reset_script(dirs), spec)
+        out = await self._reset_run(container_id, reset_script(dirs), sandbox.user)
         killed, checked = split_reset_output(out)
         return "engine", leftovers(checked, main_of(killed) or "?")
 
-    async def _reset_run(self, container_id: str, script: str, spec: TemplateSpec) -> str:
+    async def _reset_run(self, container_id: str, script: str, user: str) -> str:
         try:
             async with asyncio.timeout(RESET_TIMEOUT_S):
                 code, out, err = await self.docker.run(
-                    "reset", container_id, ["sh", "-c", script], user=spec.user
+                    "reset", container_id, ["sh", "-c", script], user=user
                 )
         except TimeoutError as e:
             raise ApiError(

@@ -1,18 +1,20 @@
 """Recycling a released sandbox: what a reset runs inside its container, and its check.
 
-A reset is one command in two parts, run as the sandbox's own user (the template's
-`user`).
-Not as root: the container has every capability dropped, so its root could neither
-signal the user's processes (no CAP_KILL) nor delete in the user's work dir (no
-CAP_DAC_OVERRIDE); the user itself can do both, and nothing in the sandbox runs as
-anyone else (no-new-privileges, no setuid).
+A reset is one command in two parts, run as the sandbox's own user. Not as root: the
+container's root holds no capability but the command loop's two (LOOP_CAPS), so it
+could neither signal the user's processes (no CAP_KILL) nor delete in the user's work
+dir (no CAP_DAC_OVERRIDE); the user itself can do both. What runs as anyone else is
+the agent's (init and the main command of a recyclable template as KEEPER_USER, the
+command loop and its copies as LOOP_USER: the tenant can become neither, with
+no-new-privileges and no setuid), and is left alone; the loop so outlives the reset.
 
 1. `kill_and_empty`: finds the template's main command (the child of PID 1, docker's
    init, that started first: processes orphaned later are adopted by PID 1 too, but
    start after it), stops and kills every other process until none is left, then
    empties the work dir, /tmp, /dev/shm and /dev/mqueue (dotfiles included, unreadable
-   directories made readable first) and removes SysV IPC objects when the image has
-   `ipcrm`.
+   directories made readable first; the work dir, the one the user owns, gets back
+   its mode: a lease's `chmod 0` would fail the next lease's commands) and removes
+   SysV IPC objects when the image has `ipcrm`.
 2. `verify`, in the same shell right after: lists, with shell builtins only (so it
    sees no process of its own but itself), every process still there, every entry
    left in those directories and every SysV IPC object. The agent accepts the reset
@@ -29,7 +31,7 @@ from __future__ import annotations
 import shlex
 from collections.abc import Iterable
 
-from agent.docker_driver import RESIDENT_MOUNT
+from agent.users import WORKDIR_MODE
 
 # The fields of /proc/PID/stat after "comm)": comm itself may hold spaces, parentheses
 # or a newline, so the fields are read after the LAST ") " (and a line cut short by a
@@ -57,6 +59,7 @@ while :; do
   for d in /proc/[0-9]*; do
     p=${d#/proc/}
     case $p in 1|"$main"|"$self") continue ;; esac
+    [ -O "$d" ] || continue  # not the tenant's: the command loop's (LOOP_USER)
     @STAT@[ "$1" = Z ] && continue  # a zombie holds nothing: its reaper takes it
     left="$left $p"
   done
@@ -72,6 +75,8 @@ done
 _EMPTY = """\
 for dir in @DIRS@; do
   [ -d "$dir" ] || continue
+  # the one of them the tenant owns (the work dir) gets back the mode it was made with
+  [ -O "$dir" ] && chmod @MODE@ -- "$dir"
   chmod -R u+rwx -- "$dir"/* "$dir"/.[!.]* "$dir"/..?* 2>/dev/null
   rm -rf -- "$dir"/* "$dir"/.[!.]* "$dir"/..?* 2>/dev/null
   set -- "$dir"/* "$dir"/.[!.]* "$dir"/..?*
@@ -97,6 +102,7 @@ _VERIFY = """\
 for d in /proc/[0-9]*; do
   p=${d#/proc/}
   [ "$p" = $$ ] && continue
+  [ -O "$d" ] || [ "$p" = 1 ] || [ "$p" = "$main" ] || continue  # the loop's: see above
   @STAT@[ "$1" = Z ] && continue
   echo "process $p"
 done
@@ -110,17 +116,8 @@ for t in shm sem msg; do
   [ -r "$f" ] || continue
   { read -r _; while read -r _ id _; do echo "ipc $t $id"; done; } < "$f"
 done
-@AFTER@echo checked
+echo checked
 """
-# The sandbox's resident command loop (agent/resident.py) was killed with the rest: it
-# starts again here, once the check has looked, so the next lease's commands need no
-# engine exec to start it. Orphaned at once, it outlives this command.
-# In the node's execute-only shell where its directory has one (agent/resident.py).
-START_LOOP = (
-    f"[ -r {RESIDENT_MOUNT}/serve ] && "
-    f"(setsid $(command -v {RESIDENT_MOUNT}/sh || echo sh) {RESIDENT_MOUNT}/serve "
-    "</dev/null >/dev/null 2>&1 &)\n"
-)
 
 
 def reset_dirs(workdir: str) -> list[str]:
@@ -136,23 +133,22 @@ def _words(dirs: Iterable[str]) -> str:
 
 def kill_and_empty_script(dirs: Iterable[str]) -> str:
     """Prints "main PID" first and "emptied" last; exits non-zero when it cannot."""
-    return _FIND_MAIN + _KILL_ALL_BUT_MAIN + _EMPTY.replace("@DIRS@", _words(dirs))
+    empty = _EMPTY.replace("@DIRS@", _words(dirs)).replace("@MODE@", f"{WORKDIR_MODE:o}")
+    return _FIND_MAIN + _KILL_ALL_BUT_MAIN + empty
 
 
-def verify_script(dirs: Iterable[str], after: str = "") -> str:
-    """Prints what is left ("process PID", "file PATH", "ipc KIND ID"), runs `after`,
-    then prints "checked"."""
+def verify_script(dirs: Iterable[str]) -> str:
+    """Prints what is left ("process PID", "file PATH", "ipc KIND ID"), then "checked"."""
     stat = _STAT_FIELDS.replace("\n", "\n  ")
-    return _VERIFY.replace("@STAT@", stat).replace("@DIRS@", _words(dirs)).replace("@AFTER@", after)
+    return _VERIFY.replace("@STAT@", stat).replace("@DIRS@", _words(dirs))
 
 
 def reset_script(dirs: Iterable[str]) -> str:
-    """Kill, empty, check, then start the command loop again, in one command (one exec:
-    the engine's costliest call here): what `kill_and_empty_script` prints up to
-    "emptied", then what `verify_script` prints (`split_reset_output` takes them
-    apart)."""
+    """Kill, empty and check in one command (one exec: the engine's costliest call
+    here): what `kill_and_empty_script` prints up to "emptied", then what
+    `verify_script` prints (`split_reset_output` takes them apart)."""
     dirs = list(dirs)
-    return kill_and_empty_script(dirs) + verify_script(dirs, START_LOOP)
+    return kill_and_empty_script(dirs) + verify_script(dirs)
 
 
 def split_reset_output(output: str) -> tuple[str, str]:

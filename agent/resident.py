@@ -6,33 +6,40 @@ in turn: under load a `true` waits seconds. A shell loop already running in the
 sandbox starts a command with one fork. The agent hands it commands through named
 pipes in a directory of its own per sandbox, bind-mounted read-only at `/.dsec`:
 
-- `serve`, the loop (SERVE_SCRIPT), as the template's user: started with the container
-  by `boot` (BOOT_SCRIPT, its entrypoint) where the container's init runs as that user
-  (a template that may not be recycled), else by one detached engine exec once the
-  sandbox exists (when no more urgent work waits for the engine: `Work.RESIDENT`);
+- `serve`, the loop (serve_script), as LOOP_USER (root in the container, with only the
+  capabilities to become the sandbox's user: agent/docker_driver.py): started with the
+  container by `boot` (boot_script, its entrypoint, which then runs the template's
+  command as the sandbox's user) for a template that may not be recycled, else by one
+  detached engine exec once the sandbox exists (when no more urgent work waits for the
+  engine: `Work.RESIDENT`);
 - `booted`, a pipe on which the boot says whether it started the loop, or found no
   template command to run;
 - `sh`, the shell the loop runs in: the host's static busybox, execute-only (mode 0111,
-  one copy per node hard-linked into every directory). A process that runs a program
-  its user cannot read is not dumpable: no tenant can read or write the loop's memory
-  (/proc/PID/mem, ptrace), which lets a reset from the host keep the loop for the next
-  lease (agent/host.py checks that it is that same process, unchanged) instead of
-  killing it and starting it again through the engine. Without a static busybox on the
-  host the loop runs in the image's `sh`, and every reset kills it;
+  one copy per node hard-linked into every directory), whose `nsenter` and `setsid`
+  start each command as the sandbox's user in a session of its own;
 - `ctl`, a pipe the loop reads command ids from;
 - per command `ID.cmd` (the script: workdir, environment, argv), and pipes `ID.out`,
   `ID.err` and `ID.rc` (its exit code, written when it ends).
 
+The loop is not the tenant's: the workload in the sandbox, whatever its user may do
+(kill, open, /proc, ptrace), can neither signal the loop nor read or trace it (another
+uid), nor open ctl, a script or a status pipe (0600, root's), so it cannot take a
+command's place, read another command's script and environment from here, or change
+what a command's status says. A sandbox whose user is root or a name, or a node
+without a static busybox, gets no loop: its commands take the engine's exec. What a
+command's own processes are, while they run, is the sandbox user's as under an engine
+exec: anything else of that user's running beside them can reach them as the kernel
+lets one process of a user reach another (README, "Isolation").
+
 The mount is read-only, so nothing in the sandbox can create, replace or remove an
-entry there (no symlink for the agent to follow, no file to fill the host's disk);
-pipes can still be opened for writing on a read-only mount. What a tenant can do is
-write into its own commands' pipes, which fools no one but itself. The loop runs each
-command in its own session with the command's marker in its environment, so a timeout
-kills it as it kills an engine exec's (agent/execs.py). Pipes are unlinked before they
-are closed: a command that starts after its caller gave up finds no pipe to block on.
+entry there (no symlink for the agent to follow, no file to fill the host's disk).
+The loop runs each command in its own session with the command's marker in its
+environment, so a timeout kills it as it kills an engine exec's (agent/execs.py).
+Pipes are unlinked before they are closed: a command that starts after its caller gave
+up finds no pipe to block on.
 
 Commands with stdin or a terminal, and sandboxes whose loop is not there (an image
-without `sh`, a tenant that killed it, a sandbox just made), take the engine's exec;
+without `sh`, a loop that ended, a sandbox just made), take the engine's exec;
 the loop is started again, at most every RESTART_AFTER_S. So does a command the loop
 could not start because the sandbox had no process to spare (its pids limit reached, by
 a fork bomb, say, or while its init reaps one's remains): a fork inside the sandbox
@@ -49,16 +56,17 @@ import os
 import secrets
 import shlex
 import shutil
+import stat
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from agent.docker_driver import KEEPER_USER, LOOP_USER, STDERR, STDOUT, DockerOpError, Process
 from agent.docker_driver import RESIDENT_MOUNT as MOUNT
-from agent.docker_driver import STDERR, STDOUT, DockerOpError, Process
 from agent.engine import Work
 from agent.host import LoopProcess
+from agent.users import numeric_user
 from dsec.image import ImageBuildError, find_static_busybox
-from dsec.models import TemplateSpec
 from dsec.states import SandboxState
 
 if TYPE_CHECKING:
@@ -73,7 +81,7 @@ CHUNK = 1 << 16
 CHUNKS_AHEAD = 4
 RC_LINE_MAX = 64  # a status line's bytes read; the shell writes a few
 OPENED = b"opened"  # the loop's copy holds ID.rc: its end is now the end of ID.rc
-STARTED = b"started"  # then, from the command's own shell: every fork made, it runs
+STARTED = b"started"  # then: the command's fork is made, it runs
 ACK_WAIT_S = 1.0  # how long a start waits to learn whether the loop could start it
 # a loop starts in a running container: a frozen one would hang its exec in the engine
 LOOP_STATES = frozenset({SandboxState.WARM, SandboxState.LEASED})
@@ -81,31 +89,49 @@ KILLED_EXIT_CODE = 137  # a command whose waiting copy of the loop was killed: a
 NOT_STARTED_EXIT_CODE = 126  # as the engine's exec answers a command it cannot start
 NOT_STARTED = b"dsec: the sandbox could not start the command: no fork (its pids limit?)\n"
 
-# Reads ids from ctl; for each, a copy of the loop opens ID.rc and says "opened" there,
-# runs ID.cmd in a session of its own with its output on ID.out and ID.err, and writes
-# its exit code to ID.rc. ID.cmd's shell says "started" before anything else, so
-# without it the command never ran. A fork that fails (the sandbox at its pids limit)
-# ends the shell that made it: the copy's, so ID.rc ends; the subshell's that forks the
-# copy, and the loop says "nofork" (`1<>` opens the pipe without waiting for a reader,
-# so the loop never blocks on it); or the loop's own, which the agent finds gone
-# (`Resident._runs`). The copy holds ID.rc open until it ends, so the agent sees its
-# end even when something kills it before it could write the code. It is orphaned at
-# once, so the sandbox's init reaps it, not the loop (which would leave zombies, counted
-# against the pids limit, until its next command). fd 3 (ctl) is closed in commands: a
-# command left running must not keep ctl open after the loop has gone. The command runs
-# in the image's own /bin/sh, named by its path: busybox, where the loop runs, would
-# take its own applets before the image's programs.
-SERVE_SCRIPT = f"""\
+# Runs as LOOP_USER (agent/docker_driver.py). Reads ids from ctl; for each, a copy of
+# the loop opens ID.rc and ID.cmd and says "opened" on ID.rc, starts the command in a
+# session of its own, as the sandbox's user (busybox's nsenter with no namespace to
+# enter only sets the ids), with its output on ID.out and ID.err, says "started" once
+# that fork is made, and writes the command's exit code when it ends. Every pipe and
+# the script are the loop's alone (0600, root's): the command holds its ID.out and
+# ID.err and its script (fd 5, read by its own shell, RUN_SCRIPT, then closed), never
+# ID.rc or ctl, so no process of the tenant's can read another command's script, nor
+# say anything on a command's status. A fork that fails (the sandbox at its pids limit)
+# ends the shell that made it: the copy's, so ID.rc ends before "started"; the
+# subshell's that forks the copy, and the loop says "nofork" (`1<>` opens the pipe
+# without waiting for a reader, so the loop never blocks on it); or the loop's own,
+# which the agent finds gone (`Resident._runs`). The copy holds ID.rc open until it
+# ends, so the agent sees its end even when something kills it before it could write
+# the code. It is orphaned at once, so the sandbox's init reaps it, not the loop (which
+# would leave zombies, counted against the pids limit, until its next command). The
+# command runs in the image's own /bin/sh, named by its path: busybox, where the loop
+# runs, would take its own applets before the image's programs.
+RUN_SCRIPT = """s=
+while IFS= read -r l <&5; do s="$s$l
+"; done
+exec 5<&-
+eval "$s"
+"""
+
+
+def serve_script(uid: int, gid: int) -> str:
+    """The loop of a sandbox whose commands run as `uid`:`gid`."""
+    return f"""\
 [ -x /bin/sh ] || exit 1
+run={shlex.quote(RUN_SCRIPT)}
 exec 3<>{MOUNT}/ctl
 while read -r id <&3; do
   case $id in ''|*[!0-9a-f]*) continue ;; esac
-  ( (exec 4>"{MOUNT}/$id.rc"; echo {OPENED.decode()} >&4
-     /bin/sh -c 'exec setsid sh "$1"' sh "{MOUNT}/$id.cmd" \\
-       </dev/null >"{MOUNT}/$id.out" 2>"{MOUNT}/$id.err"
-     echo $? >&4) & ) 3<&- || echo nofork 1<>"{MOUNT}/$id.rc"
+  ( (exec 4>"{MOUNT}/$id.rc" 5<"{MOUNT}/$id.cmd"; echo {OPENED.decode()} >&4
+     setsid nsenter -S {uid} -G {gid} -F -- /bin/sh -c "$run" sh </dev/null \\
+       >"{MOUNT}/$id.out" 2>"{MOUNT}/$id.err" 3<&- 4>&- &
+     echo {STARTED.decode()} >&4
+     wait $!; echo $? >&4) & ) 3<&- || echo nofork 1<>"{MOUNT}/$id.rc"
 done
 """
+
+
 SHELL = "sh"  # the loop's shell in its directory
 BOOTED, NO_COMMAND = b"booted", b"nocommand"  # what a boot says on its `booted` pipe
 BOOT_WAIT_S = 10.0  # how long a create waits for its boot's word before going without
@@ -113,17 +139,31 @@ BOOT_WAIT_S = 10.0  # how long a create waits for its boot's word before going w
 # runc's own default.
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
-# The entrypoint of a container that starts its own loop, in the node's shell, ahead of
-# the image's entrypoint and the template's command ("$@"): the loop then costs the
+
+# The entrypoint of every container with a loop, in the node's shell, ahead of the
+# image's entrypoint and the template's command ("$@"), as LOOP_USER (the engine gives
+# an exec capabilities only in a container whose user is root). It finds the command in
+# PATH itself, as runc would: busybox runs its own applets before the image's programs
+# of the same names; the command then replaces the boot's shell as `main_user`, the
+# sandbox's user (KEEPER_USER for a template that may be recycled), with its own
+# argv[0]. A command not there is said on `booted` (the agent refuses the template, as
+# the engine refuses to start a command it cannot find). With `start_loop` (a template that may not be recycled,
+# whose loop a reset never keeps) the boot starts the loop too, which then costs the
 # engine no exec (about 40 ms of its work per sandbox, taken while creates wait) and
-# serves the sandbox's first command. It finds the command in PATH itself, as runc
-# would: busybox runs its own applets before the image's programs of the same names.
-# A command not there is said on `booted` (the agent refuses the template, as the
-# engine refuses to start a command it cannot find); else ctl is held open from before
-# the loop starts (the loop inherits it), so a command id written as soon as the agent
-# hears "booted" waits in the pipe for the loop. The loop is orphaned at once, for the
-# sandbox's init to reap; the command replaces the boot's shell, with its own argv[0].
-BOOT_SCRIPT = f"""\
+# serves the sandbox's first command: ctl is held open from before the loop starts (the
+# loop inherits it), so a command id written as soon as the agent hears "booted" waits
+# in the pipe for the loop. The loop is orphaned at once, for the sandbox's init to
+# reap.
+def boot_script(main_user: tuple[int, int], start_loop: bool) -> str:
+    uid, gid = main_user
+    booted = f"1<>{MOUNT}/booted"
+    started = f"echo {BOOTED.decode()} {booted}\n"
+    if start_loop:
+        started = f"""exec 3<>{MOUNT}/ctl
+( {MOUNT}/{SHELL} {MOUNT}/serve </dev/null >/dev/null 2>&1 & )
+{started}exec 3<&-
+"""
+    return f"""\
 set -f
 cmd=$1
 case $cmd in
@@ -135,16 +175,12 @@ case $cmd in
    unset IFS ;;
 esac
 if ! [ -f "$cmd" ] || ! [ -x "$cmd" ]; then
-  echo {NO_COMMAND.decode()} 1<>{MOUNT}/booted
+  echo {NO_COMMAND.decode()} {booted}
   exit 127
 fi
-exec 3<>{MOUNT}/ctl
-( {MOUNT}/{SHELL} {MOUNT}/serve </dev/null >/dev/null 2>&1 & )
-echo {BOOTED.decode()} 1<>{MOUNT}/booted
-exec 3<&-
-name=$1
+{started}name=$1
 shift
-exec -a "$name" "$cmd" "$@"
+exec nsenter -S {uid} -G {gid} -F -- {MOUNT}/{SHELL} -c 'exec -a "$0" "$@"' "$name" "$cmd" "$@"
 """
 
 
@@ -153,7 +189,6 @@ def command_script(argv: list[str], env: dict[str, str], workdir: str) -> str:
     start (no such directory, no such program), else the program's own exit code."""
     q = shlex.quote
     lines = [
-        f"echo {STARTED.decode()} >&4; exec 4>&-",  # see SERVE_SCRIPT
         f"cd -- {q(workdir)} 2>/dev/null || "
         f"{{ echo {q(f'dsec: chdir to {workdir} failed: no such directory')} >&2; exit 126; }}",
         *(f"export {name}={q(value)}" for name, value in env.items()),
@@ -170,15 +205,15 @@ def _open_fifo(dir_fd: int | None, name: str, flags: int) -> int:
 
 
 def _make_fifo(path: Path) -> None:
-    """A pipe the sandbox's user may open (the mount is read-only: nothing else)."""
+    """A pipe only the loop may open (root's, 0600: see LOOP_USER)."""
     if not path.is_fifo():
         path.unlink(missing_ok=True)
         os.mkfifo(path, 0o600)
-    path.chmod(0o666)
+    path.chmod(0o600)
 
 
 class BootWord:
-    """The line a container's boot writes on `booted` (BOOT_SCRIPT), read with a write
+    """The line a container's boot writes on `booted` (boot_script), read with a write
     end of our own held, so the pipe shows no end before the boot has written."""
 
     def __init__(self, path: Path) -> None:
@@ -236,14 +271,13 @@ class ResidentProcess:
         end held, so that no end is seen before the loop's copy has opened the pipes."""
         d = self.dir_fd
         cmd, out, err, rc = self.names
-        fd = os.open(cmd, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644, dir_fd=d)
+        fd = os.open(cmd, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600, dir_fd=d)
         try:
             os.write(fd, script.encode())
         finally:
             os.close(fd)
         for name in (out, err, rc):
-            os.mkfifo(name, 0o600, dir_fd=d)
-            os.chmod(name, 0o666, dir_fd=d)  # the sandbox's user writes them
+            os.mkfifo(name, 0o600, dir_fd=d)  # the loop's alone: it opens them for the command
         loop = asyncio.get_running_loop()
         readers = []
         for name in (out, err, rc):
@@ -271,8 +305,8 @@ class ResidentProcess:
     async def _status(self, rc: asyncio.StreamReader) -> None:
         """ "opened" once the loop's copy holds ID.rc (our own write end goes: its end is
         now the copy's end), "started" once the command runs, then the exit code; no
-        "started": it never ran (SERVE_SCRIPT). An end before the code: the copy was
-        killed, so was its command (a reset, the container's end, or the tenant)."""
+        "started": it never ran (serve_script). An end before the code: the copy was
+        killed, so was its command (a reset, or the container's end)."""
         try:
             line = (await rc.readuntil(b"\n"))[:-1]
             if line == OPENED:
@@ -289,7 +323,7 @@ class ResidentProcess:
         except asyncio.IncompleteReadError:
             self.code = KILLED_EXIT_CODE  # the copy ended with no code: killed, as its command
         except (ValueError, asyncio.LimitOverrunError):
-            self.code = 255  # not a code: the tenant wrote there, fooling only itself
+            self.code = 255  # not a code: the loop is not what it should be
         finally:
             if not self.answered.is_set():  # ended before "started": it never ran
                 self.ran = False
@@ -374,34 +408,47 @@ class Resident:
     def dir_of(self, sandbox_id: str) -> Path:
         return self.root / sandbox_id
 
-    def prepare(self, sandbox_id: str) -> Path:
-        """The directory a new container mounts: the loop's script and its ctl pipe."""
+    def prepare(self, sandbox: Sandbox) -> Path | None:
+        """The directory a new container mounts: the loop's scripts, its shell and its
+        ctl pipe; None where the sandbox gets no loop (its commands take the engine's
+        exec): without the node's shell (nothing else can become the sandbox's user
+        while out of its reach), or for a user that is root or a name (LOOP_USER could
+        not be kept from it, or has no number to become)."""
+        ids = numeric_user(sandbox.user)
+        if self.node_shell() is None or ids is None or ids[0] == 0:
+            return None
         self.root.mkdir(mode=0o700, exist_ok=True)
-        path = self.dir_of(sandbox_id)
+        path = self.dir_of(sandbox.id)
         path.mkdir(mode=0o755, exist_ok=True)
-        path.chmod(0o755)  # the sandbox's user reads it; only the agent writes
-        (path / "serve").write_text(SERVE_SCRIPT)
-        (path / "serve").chmod(0o644)
+        path.chmod(0o755)  # the sandbox's user may look in; only the agent writes
+        (path / "serve").write_text(serve_script(*ids))
+        main = numeric_user(KEEPER_USER) if sandbox.spec.recyclable else ids
+        assert main is not None
+        (path / "boot").write_text(boot_script(main, start_loop=not sandbox.spec.recyclable))
+        for script in ("serve", "boot"):
+            (path / script).chmod(0o600)  # the loop's alone: see LOOP_USER
         _make_fifo(path / "ctl")
         _make_fifo(path / "booted")
-        (path / "boot").write_text(BOOT_SCRIPT)
-        (path / "boot").chmod(0o644)
-        if self.node_shell() is not None:
-            (path / SHELL).unlink(missing_ok=True)
-            try:
-                os.link(self.shell_path, path / SHELL)
-            except OSError as e:  # another file system, say: the loop runs in the image's sh
-                log.warning("the command loop's shell cannot be linked for %s: %s", sandbox_id, e)
+        (path / SHELL).unlink(missing_ok=True)
+        try:
+            os.link(self.shell_path, path / SHELL)
+        except OSError as e:  # another file system, say: no loop, the engine's exec
+            log.warning("the command loop's shell cannot be linked for %s: %s", sandbox.id, e)
+            shutil.rmtree(path, ignore_errors=True)
+            return None
         return path
 
     def node_shell(self) -> os.stat_result | None:
         """The node's execute-only copy of the host's static busybox, made once (None
-        where the host has none: the loop then runs in the image's sh)."""
+        where the host has none: its sandboxes then have no loop)."""
         if self.shell is None:
             try:
                 busybox = find_static_busybox()
             except ImageBuildError:
-                log.warning("no static busybox on this host: resets will restart command loops")
+                log.warning(
+                    "no static busybox on this host: no command loops, every "
+                    "command takes the engine's exec"
+                )
                 self.shell = False
                 return None
             made = self.shell_path.with_suffix(".new")
@@ -411,16 +458,13 @@ class Resident:
             self.shell = self.shell_path.stat()
         return self.shell or None
 
-    async def entrypoint(self, sandbox_id: str, spec: TemplateSpec) -> list[str] | None:
-        """The entrypoint of a sandbox's container that starts its own loop (BOOT_SCRIPT),
-        with the image's own after it; None where an engine exec starts it: a template
-        that may be recycled, whose init runs as another user than its commands
-        (docker_driver.KEEPER_USER), or a directory without the node's shell."""
-        if spec.recyclable or not (self.dir_of(sandbox_id) / SHELL).exists():
-            return None
+    async def entrypoint(self, sandbox: Sandbox) -> list[str] | None:
+        """The entrypoint of a sandbox's container (boot_script), with the image's own
+        after it; None when the image cannot be looked at (say, a restore whose
+        template's image is gone)."""
         try:
-            own = await self.agent.docker.image_entrypoint(spec.image)
-        except DockerOpError:  # say, a restore whose template's image is gone: by exec
+            own = await self.agent.docker.image_entrypoint(sandbox.spec.image)
+        except DockerOpError:
             return None
         return [f"{MOUNT}/{SHELL}", f"{MOUNT}/boot", *own]
 
@@ -435,31 +479,15 @@ class Resident:
         finally:
             word.close()
 
-    def loop_argv(self, sandbox_id: str) -> list[str]:
-        if (self.dir_of(sandbox_id) / SHELL).exists():
-            return [f"{MOUNT}/{SHELL}", f"{MOUNT}/serve"]
-        return ["sh", f"{MOUNT}/serve"]  # a container made before loops had a shell
-
-    def flush_ctl(self, sandbox_id: str) -> None:
-        """Empty ctl of what an ended lease wrote there, and end a line it left unended
-        (the loop holds it until a newline): the next lease's first command id must not
-        be read joined to it."""
-        path = self.dir_of(sandbox_id) / "ctl"
-        with contextlib.suppress(OSError):
-            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
-            try:
-                while os.read(fd, CHUNK):
-                    pass
-            except BlockingIOError:
-                pass
-            finally:
-                os.close(fd)
-        with contextlib.suppress(OSError):
-            fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
-            try:
-                os.write(fd, b"\n")
-            finally:
-                os.close(fd)
+    def has_loop(self, sandbox_id: str) -> bool:
+        """Whether the sandbox was made with a loop of LOOP_USER's (`prepare`): not one
+        made without, nor by an agent whose loops ran as the tenant's user (their pipes
+        open to it), whose commands take the engine's exec."""
+        try:
+            mode = os.lstat(self.dir_of(sandbox_id) / "ctl").st_mode
+        except OSError:
+            return False
+        return stat.S_ISFIFO(mode) and not mode & 0o077
 
     def abort_all(self, sandbox_id: str) -> None:
         """The sandbox's processes were all killed (a reset, a release): its commands
@@ -483,6 +511,8 @@ class Resident:
         engine already or one ended less than RESTART_AFTER_S ago."""
         agent = self.agent
         tried = sandbox.resident_tried_at
+        if not self.has_loop(sandbox.id):
+            return
         if sandbox.id in self.starting or (
             tried is not None and agent.clock.now() - tried < RESTART_AFTER_S
         ):
@@ -495,8 +525,8 @@ class Resident:
             try:
                 pid = await agent.docker.start_detached(
                     container_id,
-                    self.loop_argv(sandbox.id),
-                    user=sandbox.user,
+                    [f"{MOUNT}/{SHELL}", f"{MOUNT}/serve"],
+                    user=LOOP_USER,
                     work=Work.RESIDENT,
                     hold=lambda: _unchanging(sandbox, container_id),
                 )
@@ -522,10 +552,12 @@ class Resident:
         """Start a command through the sandbox's loop; None when the loop is not there
         (the caller takes the engine's exec, and the loop is started again) or could
         not start it."""
+        if not self.has_loop(sandbox.id):
+            return None
         try:
             dir_fd = os.open(self.dir_of(sandbox.id), os.O_RDONLY | os.O_DIRECTORY)
         except FileNotFoundError:
-            return None  # a container made before loops existed
+            return None  # removed meanwhile
         command_id = secrets.token_hex(8)
         proc = ResidentProcess(dir_fd, command_id)
         try:
@@ -537,7 +569,7 @@ class Resident:
                 os.close(ctl)
         except OSError as e:
             await proc.close()
-            # ENXIO: nothing reads ctl; EAGAIN: ctl is full (a tenant flooded it)
+            # ENXIO: nothing reads ctl (the loop ended); EAGAIN: ctl is full (it hangs)
             if e.errno in (errno.ENXIO, errno.EAGAIN, errno.EPIPE):
                 self.ensure_loop(sandbox)
             else:  # the host's side (its disk full, say): the engine's exec works still
@@ -555,7 +587,7 @@ class Resident:
         """Whether the command runs, or may yet. Not when the loop or its copy says it
         never ran, nor when nothing came and the loop has gone: a fork that fails ends
         the shell that made it, the loop's own too (a sandbox with no pid left). The
-        loop is then started again, as one a tenant killed."""
+        loop is then started again."""
         if not await proc.runs(ACK_WAIT_S):
             return False
         return proc.answered.is_set() or proc.opened or _loop_reads_ctl(proc.dir_fd)
@@ -582,8 +614,8 @@ async def _unchanging(sandbox: Sandbox, container_id: str) -> AsyncIterator[bool
 
 def _loop_reads_ctl(dir_fd: int) -> bool:
     """Whether a loop still reads ctl. The loop holds it open for reading as long as it
-    runs, and nothing else of the sandbox's does (but a tenant's process that opens it,
-    which fools only its own commands): a loop that has gone leaves no reader. Known so
+    runs, and nothing else of the sandbox's can (ctl is LOOP_USER's alone): a loop that
+    has gone leaves no reader. Known so
     whether the loop started with its container, whose PID the agent never learns, or by
     an engine exec that answered before the loop's program ran."""
     try:

@@ -241,6 +241,11 @@ class FileRemoved(Wire):
 # --- templates, pools, nodes ----------------------------------------------
 
 
+# A template's default user: not a uid to run as, but "a uid of each sandbox's own", from
+# its node's range (agent/users.py). Any other value is used as it is, by every sandbox.
+OWN_USER = "1000:1000"
+
+
 class TemplateSpec(Wire):
     """How to run a sandbox: the image and its limits. Safe by default."""
 
@@ -249,7 +254,12 @@ class TemplateSpec(Wire):
     cpus: float = Field(0.5, ge=0.01, le=256)
     memory_mb: int = Field(256, ge=16, le=1024 * 1024)
     may_overflow: bool = Field(True, description="may run on cloud nodes")
-    user: str = Field("1000:1000", pattern=r"^[A-Za-z0-9_:-]{1,64}$")
+    user: str = Field(
+        OWN_USER,
+        pattern=r"^[A-Za-z0-9_:-]{1,64}$",
+        description=f"who its commands run as; {OWN_USER} (the default): a uid of each "
+        "sandbox's own, from its node's range",
+    )
     workdir: str = Field("/work", pattern=r"^/[A-Za-z0-9._-][A-Za-z0-9._/-]{0,254}$")
     workdir_mb: int = Field(256, ge=1, le=1024 * 1024, description="size of the writable work dir")
     tmp_mb: int = Field(64, ge=1, le=1024 * 1024, description="size of /tmp")

@@ -22,7 +22,8 @@ import pytest
 import pytest_asyncio
 from conftest import commands_running, make_spec, started_pool, take_last_pid, take_pids
 
-from agent.docker_driver import LABEL_SANDBOX
+from agent.docker_driver import LABEL_SANDBOX, LOOP_CAPS
+from agent.users import FIRST_UID
 from controlplane.config import default_templates
 from dsec.cli.up import LocalPool
 from dsec.client import Client, DsecError, Sandbox
@@ -38,6 +39,7 @@ NEIGHBOUR_EXEC_MAX_S = 2.0  # an exec of `echo` takes ~50 ms on an idle node
 FLOODED_EXEC_MAX_S = 5.0
 AGENT_ANSWER_MAX_S = 0.5
 MiB = 1 << 20
+CAP_SETGID, CAP_SETUID = 6, 7  # capability numbers (linux/capability.h)
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
@@ -77,9 +79,13 @@ async def test_a_sandbox_runs_with_every_limit_of_its_template(client, docker_cl
         async def cgroup(name: str) -> int:
             return int(await inside("cat", f"/sys/fs/cgroup/{name}"))
 
-        assert await inside("id -u") == "1000"
+        # a uid of its own, from its node's range (agent/users.py), not the host's 1000
+        assert int(await inside("id -u")) >= FIRST_UID
         status = dict(re.findall(r"(\w+):\s+(\S+)", await inside("cat /proc/self/status")))
-        assert status["CapEff"] == status["CapBnd"] == "0000000000000000"
+        assert status["CapEff"] == status["CapPrm"] == "0000000000000000"
+        # the bounding set holds the command loop's two (LOOP_CAPS), which no process of
+        # the tenant's user has, nor can get (no-new-privileges)
+        assert int(status["CapBnd"], 16) == 1 << CAP_SETGID | 1 << CAP_SETUID
         assert status["NoNewPrivs"] == "1"
         assert int(await inside("ulimit -n")) == BASE.nofile_limit
         assert await cgroup("pids/pids.max") == BASE.pids_limit
@@ -91,7 +97,7 @@ async def test_a_sandbox_runs_with_every_limit_of_its_template(client, docker_cl
         assert socket.stderr.count("No such file or directory") == 2, socket
 
         host = container_of(docker_client, sb.id).attrs["HostConfig"]
-        assert host["CapDrop"] == ["ALL"] and not host["CapAdd"]
+        assert host["CapDrop"] == ["ALL"] and host["CapAdd"] == LOOP_CAPS
         assert host["SecurityOpt"] == ["no-new-privileges"]
         assert host["ReadonlyRootfs"] and not host["Privileged"]
         assert host["NetworkMode"] == "none"

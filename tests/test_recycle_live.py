@@ -186,7 +186,7 @@ async def test_a_recycled_sandbox_keeps_nothing_of_its_previous_lease(client, do
 
 
 # The loop's PID (the oldest process running it), this command's parent's command line,
-# and this command's nice value.
+# and this command's nice value and I/O priority.
 LOOP_SEEN = """
 for p in $(ls /proc | sort -n); do
   [ "$(tr '\\0' ' ' < /proc/$p/cmdline 2>/dev/null)" = "/.dsec/sh /.dsec/serve " ] &&
@@ -194,6 +194,7 @@ for p in $(ls /proc | sort -n); do
 done
 echo "parent $(tr '\\0' ' ' < /proc/$PPID/cmdline)"
 read -r s < /proc/self/stat; set -- ${s##*') '}; echo "nice ${17}"
+echo "io $(ionice -p $$)"
 """
 
 
@@ -211,16 +212,22 @@ async def loop_seen(sb) -> dict[str, str]:
         await asyncio.sleep(0.2)
 
 
-async def test_a_reset_keeps_the_command_loop_only_as_it_was_started(client):
+async def test_attack_15_a_lease_cannot_change_the_loop_that_the_next_lease_inherits(client):
     """A reset from the host keeps the sandbox's command loop for the next lease (no
-    engine exec to start it again) when no lease changed it; a loop that a lease
-    changed in what commands inherit (here its nice value) is killed with the rest.
-    Junk a lease left in the loop's ctl pipe (a line without its end) is emptied out."""
+    engine exec to start it again). What a lease could change in the loop, that the
+    next lease's commands would inherit, it may not: the loop runs as LOOP_USER, so
+    lowering its I/O priority (`ionice -c3`, which on the old loop, as the tenant's
+    user, left lease 2's commands at idle I/O priority) or its nice value is refused,
+    and so is writing into its ctl pipe."""
     first = await client.acquire(timeout=60)
     before = await loop_seen(first)
-    assert before["nice"] == "0" and "loop" in before, before
-    # a line without its end, which the loop would join to the next lease's first id
-    await first.exec(["sh", "-c", "printf abc > /.dsec/ctl"])
+    assert before["nice"] == "0" and before["io"] != "idle" and "loop" in before, before
+    tries = await first.exec(["sh", "-c", (
+        f"ionice -c3 -p {before['loop']} && echo ionice; "
+        f"renice -n 15 -p {before['loop']} && echo renice; "
+        "printf abc > /.dsec/ctl && echo ctl; echo tried"
+    )])  # fmt: skip
+    assert tries.stdout == "tried\n", tries
     await first.release()
     second = await client.acquire(timeout=30)
     try:
@@ -228,17 +235,28 @@ async def test_a_reset_keeps_the_command_loop_only_as_it_was_started(client):
         kept = await loop_seen(second)
         assert kept["loop"] == before["loop"], (before, kept)  # the very same process
         assert kept["parent"].strip() == "/.dsec/sh /.dsec/serve", kept
-        renice = await second.exec(["renice", "-n", "15", "-p", kept["loop"]])
-        assert renice.exit_code == 0, renice  # a process of its own user: it may
+        assert (kept["nice"], kept["io"]) == (before["nice"], before["io"]), (before, kept)
     finally:
         await second.release()
-    third = await client.acquire(timeout=30)
+
+
+async def test_attack_14_a_lease_that_locks_its_work_dir_leaves_the_next_one_a_usable_one(
+    client,
+):
+    """Lease 1 takes every permission off its work dir (it owns it): the reset empties
+    the directory and gives it back its mode, so lease 2's first command runs there (on
+    the old code it failed, 126 `chdir to /work failed`)."""
+    first = await client.acquire(timeout=60)
+    locked = await first.exec(["sh", "-c", "chmod 0 /work && stat -c %a /work"])
+    assert locked.stdout == "0\n", locked
+    await first.release()
+    second = await client.acquire(timeout=30)
     try:
-        assert third.id == first.id
-        fresh = await loop_seen(third)
-        assert fresh["loop"] != kept["loop"] and fresh["nice"] == "0", (kept, fresh)
+        assert second.id == first.id
+        after = await second.exec(["sh", "-c", "pwd; stat -c %a /work; echo x > f; cat f"])
+        assert (after.exit_code, after.stdout) == (0, "/work\n755\nx\n"), after
     finally:
-        await third.release()
+        await second.release()
 
 
 async def test_a_reset_from_the_host_follows_no_symlink_the_tenant_made(client, tmp_path):

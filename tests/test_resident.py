@@ -12,6 +12,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import io
+import os
+import signal
 import stat
 import uuid
 from collections.abc import AsyncIterator
@@ -30,7 +32,7 @@ from conftest import (
 )
 from inprocess import inprocess_agent
 
-from agent.docker_driver import KEEPER_USER, AsyncDocker
+from agent.docker_driver import LOOP_USER, AsyncDocker
 from agent.node import Agent
 from agent.sandboxes import Sandbox as LiveSandbox
 from controlplane.config import default_templates
@@ -45,14 +47,19 @@ pytestmark = pytest.mark.asyncio(loop_scope="module")
 PARENT = ["sh", "-c", "[ $PPID = 0 ] && echo engine || tr '\\0' ' ' </proc/$PPID/cmdline"]
 # the loop runs in the node's execute-only busybox (agent/resident.py)
 THROUGH_LOOP, THROUGH_ENGINE = "/.dsec/sh /.dsec/serve", "engine"
-# the oldest process running the loop's script is the loop (the rest are its copies)
-KILL_LOOP = [
-    "sh",
-    "-c",
-    """for p in $(ls /proc | sort -n); do
-      [ "$(tr '\\0' ' ' < /proc/$p/cmdline)" = "/.dsec/sh /.dsec/serve " ] && kill $p && exit 0
-    done 2>/dev/null; exit 1""",
-]
+
+
+def kill_loop(container) -> None:
+    """Kill the sandbox's loop from the host: nothing in the sandbox may (it runs as
+    LOOP_USER, out of the tenant's reach), but a loop may end (a fork at the sandbox's
+    pids limit ends it)."""
+    loops = [int(pid) for pid, args in top(container) if args == THROUGH_LOOP]
+    assert len(loops) == 1, loops  # no command runs: the loop alone, no copy of it
+    os.kill(loops[0], signal.SIGKILL)
+
+
+def top(container) -> list[tuple[str, str]]:
+    return [tuple(row) for row in container.top(ps_args="-o pid,args")["Processes"] or []]
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
@@ -151,28 +158,26 @@ echo tried
 
 
 async def test_no_command_can_reach_into_the_loop(sb):
-    """The loop runs a program its user cannot read, so the kernel makes it undumpable:
-    its memory and environment are out of a tenant's reach, though it runs as the
-    tenant's user (a reset may keep it for the next lease: agent/host.py)."""
+    """The loop runs as another user than the tenant's (LOOP_USER), in a program no one
+    in the sandbox may read: its memory and environment are out of a tenant's reach."""
     reached = await sb.exec(["sh", "-c", REACH_LOOP])
     assert reached.stdout == "tried\n", reached
 
 
-async def test_a_killed_loop_leaves_commands_to_the_engine_and_comes_back(sb):
-    killed = await sb.exec(KILL_LOOP, timeout=10)
-    assert killed.exit_code == 0, killed
+async def test_a_killed_loop_leaves_commands_to_the_engine_and_comes_back(sb, docker_client):
+    kill_loop(docker_client.containers.get(f"dsec-{sb.id}"))
     assert await parent_of_command(sb) == THROUGH_ENGINE
     assert (await sb.exec(["echo", "ok"])).stdout == "ok\n"
     await loop_serving(sb)  # started again, at most every agent.resident.RESTART_AFTER_S
 
 
-async def test_an_engine_exec_that_ran_is_not_started_again_whatever_it_says(sb):
+async def test_an_engine_exec_that_ran_is_not_started_again_whatever_it_says(sb, docker_client):
     """The agent starts an engine exec again when runc's init died before the command
     ran (a sandbox at its pids limit); a command that ran and printed runc's words, with
     runc's exit code, ran once all the same."""
     runc_says = "OCI runtime exec failed: unable to start container process: read init-p: x"
     mimic = ["sh", "-c", f"echo $PPID >> /tmp/ran; echo '{runc_says}'; exit 126"]
-    assert (await sb.exec(KILL_LOOP, timeout=10)).exit_code == 0
+    kill_loop(docker_client.containers.get(f"dsec-{sb.id}"))
     out = await sb.exec(mimic, timeout=10)
     assert (out.exit_code, out.stdout) == (126, runc_says + "\n"), out
     assert (await sb.exec(["cat", "/tmp/ran"])).stdout == "0\n"  # once, by the engine
@@ -252,12 +257,11 @@ async def booting(docker_client, tmp_path_factory) -> AsyncIterator[LocalPool]:
 
 
 async def test_a_sandbox_that_is_never_recycled_starts_its_loop_itself(booting, docker_client):
-    """Its container starts the command loop (BOOT_SCRIPT): the first command already
+    """Its container starts the command loop (boot_script): the first command already
     runs through the loop, and the engine made no exec in it. The template's command is
     the container's main process (its init's child), the image's own program under the
     name the template gives, not the loop's busybox applet. A template that may be
-    recycled runs its init as a user of its own, so its loop, as the commands' user,
-    takes an engine exec as before."""
+    recycled starts its loop by an engine exec, whose PID a reset knows and may keep."""
     async with Client(booting.url, token=booting.tokens.client) as c:
         async with c.sandbox(template="plain") as sandbox:
             assert await parent_of_command(sandbox) == THROUGH_LOOP
@@ -267,7 +271,8 @@ async def test_a_sandbox_that_is_never_recycled_starts_its_loop_itself(booting, 
         async with c.sandbox(template="base") as sandbox:
             await loop_serving(sandbox)
             container = docker_client.containers.get(f"dsec-{sandbox.id}")
-            assert container.attrs["Config"]["User"] == KEEPER_USER
+            # its boot runs the template's command as KEEPER_USER (test_recycle_live)
+            assert container.attrs["Config"]["User"] == LOOP_USER
             assert container.attrs["ExecIDs"]  # the loop's start
 
 
@@ -342,8 +347,7 @@ async def _loop_waits_for_the_sandbox(agent, sandbox, docker_client) -> None:
     container = docker_client.containers.get(sandbox.record.container_id)
 
     def loops() -> int:
-        top = container.top(ps_args="-o pid,args")["Processes"] or []
-        return sum(1 for _, args in top if args == THROUGH_LOOP)
+        return sum(1 for _, args in top(container) if args == THROUGH_LOOP)
 
     def execs() -> list[str]:  # every exec the engine made in it (kept for a while)
         container.reload()
@@ -351,7 +355,7 @@ async def _loop_waits_for_the_sandbox(agent, sandbox, docker_client) -> None:
 
     await eventually(lambda: not agent.resident.starting, "the first start is done")
     assert loops() == 1
-    assert container.exec_run(KILL_LOOP, user="1000:1000").exit_code == 0  # a tenant may
+    kill_loop(container)
     await eventually(lambda: loops() == 0, "the loop is gone")
     before = execs()
     async with sandbox.lock:  # as a pause in flight holds it
@@ -379,8 +383,7 @@ async def test_a_restored_sandbox_boots_its_loop_again_once(docker_client, tmp_p
         await agent.lease(sandbox.id, grant)
         container = docker_client.containers.get(sandbox.record.container_id)
         assert container.attrs["Config"]["Entrypoint"] == ["/.dsec/sh", "/.dsec/boot"]
-        top = container.top(ps_args="-o pid,args")["Processes"]
-        assert sorted(args for _, args in top) == sorted(
+        assert sorted(args for _, args in top(container)) == sorted(
             ["/sbin/docker-init -- /.dsec/sh /.dsec/boot sleep 2147483647",
              "sleep 2147483647", THROUGH_LOOP]
         )  # fmt: skip

@@ -364,7 +364,7 @@ def test_a_new_sandboxs_commands_are_engine_execs_until_its_command_loop_starts(
     detached engine exec that starts the sandbox's command loop; a command before that
     is an engine exec (the engine's work, with an exec rate), one after it is handed to
     the loop (load only). A template that may not be recycled starts the loop with its
-    container (agent/resident.py, BOOT_SCRIPT): its first command is the loop's, and the
+    container (agent/resident.py, boot_script): its first command is the loop's, and the
     engine does no exec for it."""
     profile = Profile({op: [0.01] for op in OPS}, under_load={"create": {1: [0.01]}})
     profile.engine_rates_per_s = {"exec": 10.0}
