@@ -147,13 +147,13 @@ DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 # of the same names; the command then replaces the boot's shell as `main_user`, the
 # sandbox's user (KEEPER_USER for a template that may be recycled), with its own
 # argv[0]. A command not there is said on `booted` (the agent refuses the template, as
-# the engine refuses to start a command it cannot find). With `start_loop` (a template that may not be recycled,
-# whose loop a reset never keeps) the boot starts the loop too, which then costs the
-# engine no exec (about 40 ms of its work per sandbox, taken while creates wait) and
-# serves the sandbox's first command: ctl is held open from before the loop starts (the
-# loop inherits it), so a command id written as soon as the agent hears "booted" waits
-# in the pipe for the loop. The loop is orphaned at once, for the sandbox's init to
-# reap.
+# the engine refuses to start a command it cannot find). With `start_loop` (a template
+# that may not be recycled, whose loop a reset never keeps) the boot starts the loop
+# too, which then costs the engine no exec (about 40 ms of its work per sandbox, taken
+# while creates wait) and serves the sandbox's first command: ctl is held open from
+# before the loop starts (the loop inherits it), so a command id written as soon as
+# the agent hears "booted" waits in the pipe for the loop. The loop is orphaned at
+# once, for the sandbox's init to reap.
 def boot_script(main_user: tuple[int, int], start_loop: bool) -> str:
     uid, gid = main_user
     booted = f"1<>{MOUNT}/booted"
