@@ -181,6 +181,8 @@ def cmd_agent(args: argparse.Namespace) -> int:
             cleanup_on_exit=args.cleanup_on_exit,
             execs_per_sandbox=args.execs_per_sandbox,
             execs_per_node=args.execs_per_node,
+            sandbox_uid_base=args.sandbox_uid_base,
+            sandbox_uid_count=args.sandbox_uid_count,
             metrics_token=os.environ.get("DSEC_METRICS_TOKEN") or None,
             require_metrics_token=args.require_metrics_token,
             audit_max_bytes=args.audit_max_bytes,
@@ -399,6 +401,19 @@ def register(sub: argparse._SubParsersAction) -> None:
         type=int,
         default=AgentConfig.model_fields["execs_per_node"].default,
         help="commands this node runs at once; more answer 429",
+    )
+    ag.add_argument(
+        "--sandbox-uid-base",
+        type=int,
+        default=None,
+        help="the first uid of this node's range, one uid per sandbox (default: from the "
+        "node id)",
+    )
+    ag.add_argument(
+        "--sandbox-uid-count",
+        type=int,
+        default=AgentConfig.model_fields["sandbox_uid_count"].default,
+        help="uids in that range",
     )
     ag.add_argument(
         "--audit-max-bytes",
