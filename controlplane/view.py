@@ -440,7 +440,10 @@ class ClusterView:
         if entry.state != row.state and row.state != SandboxState.CREATING:
             if row.lease_id not in (None, entry.lease_id) and not self._granted(node, row):
                 changes.unproven.append(sandbox_id)
-                return  # what the view holds stands
+                # its node holds a lease not granted here: it is no sandbox to hand out
+                # (nor to keep), and the next tick removes it, as one first seen so
+                self.move(entry, SandboxState.DESTROYING, now)
+                return
             try:
                 self.move(entry, row.state, now)
             except IllegalTransition as e:

@@ -55,7 +55,8 @@ TRANSITIONS: dict[tuple[SandboxState, SandboxState], str] = {
     (S.CREATING, S.GONE): "the agent refused the placement or Docker failed: nothing runs",
     (S.WARM, S.LEASED): "claimed from the warm pool",
     (S.WARM, S.PAUSED): "idle past freeze_after: frozen to release its CPU",
-    (S.WARM, S.DESTROYING): "the warm pool shrinks, or its container died with the engine",
+    (S.WARM, S.DESTROYING): "the warm pool shrinks, its container died with the engine, or "
+    "its node holds a lease on it that the control plane did not grant",
     (S.PAUSED, S.LEASED): "claimed while frozen: thawed and handed out",
     (S.PAUSED, S.WARM): "thawed back into the warm pool",
     (S.PAUSED, S.DESTROYING): "frozen past frozen_ttl, the pool shrinks, or the engine lost it",

@@ -14,10 +14,12 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import aiohttp
 import docker
 import pytest
 import pytest_asyncio
 from inprocess import InProcessControlPlane, inprocess_controlplane
+from prometheus_client.parser import text_string_to_metric_families
 
 from agent.docker_driver import LABEL_NODE, LABEL_SANDBOX, RUNC_INIT_DIED
 from dsec.cli.up import LocalPool, LocalPoolSpec
@@ -271,3 +273,14 @@ async def assert_stopped_then_removed(docker_client: docker.DockerClient, sandbo
     stopped = container()
     assert stopped is None or not still_runs(docker_client, stopped), f"{sandbox_id} still runs"
     await eventually(lambda: container() is None, f"the removal of {sandbox_id}", 40)
+
+
+async def metric_value(pool: LocalPool, name: str, labels: dict[str, str]) -> float:
+    """A sample of the pool's control plane's metrics (0 where it has none yet)."""
+    async with aiohttp.ClientSession() as http, http.get(f"{pool.url}/metrics") as resp:
+        text = await resp.text()
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return sample.value
+    return 0.0

@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator
 import aiohttp
 import pytest
 import pytest_asyncio
-from conftest import eventually, make_spec, started_pool
+from conftest import eventually, make_spec, metric_value, started_pool
 
 from agent.docker_driver import KEEPER_USER, LABEL_SANDBOX
 from dsec.cli.up import LocalPool
@@ -103,7 +103,10 @@ async def test_a_warm_sandbox_runs_the_first_command_of_a_lease_before_its_grant
     """The control plane answers a warm acquire before the agent hears of the lease: its
     token proves the lease by itself, so a first command that comes before the grant
     runs. Here no grant comes: the token is made with the node's lease key, as the
-    control plane makes it. Another lease's token is refused once it is taken up."""
+    control plane makes it. Another lease's token is refused once it is taken up. The
+    control plane, which granted no such lease, does not take it from the node's
+    report (a node's key makes tokens, never grants: test_hostile_tenancy, attack 13),
+    and removes the sandbox: it is no longer one to hand out."""
     assert pool.identities is not None
     async with Client(pool.url, token=pool.tokens.admin) as operator:
 
@@ -124,11 +127,16 @@ async def test_a_warm_sandbox_runs_the_first_command_of_a_lease_before_its_grant
         async with http.post(exec_url, json=body, headers=bearer(other)) as resp:
             assert resp.status == 403, await resp.text()
 
-        async def leased() -> bool:
-            return (await operator.get(warm.id)).state == SandboxState.LEASED
+        async def refused_from_the_report() -> bool:
+            labels = {"node": warm.node}
+            return await metric_value(pool, "dsec_unproven_leases_total", labels) > 0
 
-        await eventually(leased, "the control plane learns the lease from the heartbeat")
-        await operator.release(warm.id)
+        await eventually(refused_from_the_report, "the node's report of it is refused")
+
+        async def removed() -> bool:
+            return warm.id not in {s.id for s in await operator.list()}
+
+        await eventually(removed, "the sandbox is removed")
 
 
 async def test_output_comes_back_byte_for_byte_in_base64_and_replaced_in_text(sb, http):

@@ -29,11 +29,11 @@ from conftest import (
     commands_running,
     eventually,
     make_spec,
+    metric_value,
     pool_containers,
     start_agent,
     started_pool,
 )
-from prometheus_client.parser import text_string_to_metric_families
 
 from agent.docker_driver import LABEL_NODE
 from controlplane.config import default_templates
@@ -179,16 +179,6 @@ async def acquire_on(client: Client, node_id: str, held: list[Sandbox], limit: i
         if sandbox.node == node_id:
             return sandbox
     raise AssertionError(f"no sandbox landed on {node_id} in {limit} acquires")
-
-
-async def metric_value(pool: LocalPool, name: str, labels: dict[str, str]) -> float:
-    async with aiohttp.ClientSession() as http, http.get(f"{pool.url}/metrics") as resp:
-        text = await resp.text()
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
-                return sample.value
-    return 0.0
 
 
 @pytest.mark.asyncio(loop_scope="module")
