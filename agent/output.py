@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import codecs
+import contextlib
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -80,7 +81,8 @@ class OutputBudget:
             if waiter.granted.done() and not waiter.granted.cancelled():
                 self.give_back(tenant, size)  # granted as it was cancelled
             else:
-                self.queue.remove(waiter)
+                with contextlib.suppress(ValueError):  # (a wake may have dropped it)
+                    self.queue.remove(waiter)
                 self._wake()  # its place may have held back others
             raise
 
@@ -97,9 +99,11 @@ class OutputBudget:
 
     def _wake(self) -> None:
         for waiter in list(self.queue):
-            if self.used >= self.total:
+            if waiter.granted.done():  # cancelled, its task not yet resumed to say so
+                self.queue.remove(waiter)
+            elif self.used >= self.total:
                 return
-            if self._fits(waiter.tenant, waiter.size):
+            elif self._fits(waiter.tenant, waiter.size):
                 self.queue.remove(waiter)
                 self._grant(waiter.tenant, waiter.size)
                 waiter.granted.set_result(None)

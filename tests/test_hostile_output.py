@@ -28,7 +28,7 @@ from conftest import STARTED_POOLS, TEST_POOL_PREFIX, eventually, pool_container
 from inprocess import InProcessAgent, inprocess_agent
 
 from agent.docker_driver import AsyncDocker
-from agent.output import RELAY_BURST_S
+from agent.output import RELAY_BURST_S, OutputBudget
 from dsec.clock import SystemClock
 from dsec.image import BASE_IMAGE
 from dsec.models import MAX_OUTPUT_BYTES, CreateSandbox, ExecResult, LeaseGrant, TemplateSpec
@@ -184,3 +184,19 @@ async def test_attack_8_a_flood_is_relayed_at_its_sandboxs_rate(docker_client, t
         assert answer["truncated"] and answer["exit_code"] == 0, answer["exit_code"]
         # the sandbox's bucket is empty after the stream: no burst left to spend
         assert took >= 0.8 * flood / RATE, took
+
+
+async def test_attack_7_a_wait_cancelled_as_room_comes_leaves_the_budget_whole():
+    """A flood that times out while it waits for room: its wait is cancelled before
+    its task runs again, and the room given back meanwhile must skip it (the benchmark's
+    floods met this as a 500), not count it."""
+    budget = OutputBudget(100)
+    await budget.take("a", 100)
+    waiting = asyncio.create_task(budget.take("b", 10))
+    await asyncio.sleep(0)
+    assert not waiting.done() and len(budget.queue) == 1
+    waiting.cancel()  # its wait's future is cancelled now, its task resumes later
+    budget.give_back("a", 100)
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    assert (budget.used, budget.held, len(budget.queue)) == (0, {}, 0)
