@@ -12,8 +12,9 @@ from dsec.addresses import advertised_url, check_advertise_url, listens_everywhe
 from dsec.httpkit import MetricsAccess
 from dsec.models import Capacity, Name, NodeKind
 
-# The agent relays about 2x this per CPU-second of its own (bench.hostile measures it):
-# a flooding sandbox then costs the agent about half its quota.
+# The agent relays about 250 MiB per CPU-second of its own at this rate (bench.hostile
+# measures it: 32 MiB/s for a 0.5-CPU sandbox took 0.13 cores), so a sandbox flooding
+# its output costs the agent about a quarter of its own CPU quota.
 RELAY_BYTES_PER_CPU_S = 64 << 20
 
 

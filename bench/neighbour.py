@@ -29,7 +29,7 @@ import docker
 
 from agent.docker_driver import LABEL_SANDBOX
 from bench.soak import Teardown, bench_spec, cpu_ns, local_pool, run_to_report
-from bench.stats import summary_ms
+from bench.stats import SUMMARY_COLUMNS, summary_ms, summary_rows
 from controlplane.config import default_templates
 from dsec.cli import format_table
 from dsec.client import Client, Sandbox
@@ -153,11 +153,8 @@ def render(r: dict) -> str:
         f"{r['neighbour_cmd'][-1]!r}",
         "",
     ]
-    rows = [
-        [name, s["n"], s["p50"], s["p95"], s["p99"], s["max"]]
-        for name, s in (("A baseline", r["baseline_ms"]), ("B hostile", r["hostile_ms"]))
-    ]
-    lines += [format_table(["neighbour exec ms", "n", "p50", "p95", "p99", "max"], rows), ""]
+    rows = summary_rows((("A baseline", r["baseline_ms"]), ("B hostile", r["hostile_ms"])))
+    lines += [format_table(["neighbour exec ms", *SUMMARY_COLUMNS], rows), ""]
     lines.extend(f"{k}: {v}" for k, v in r["ratios"].items())
     lines.append(
         f"hostile CPU used: {r['hostile_cpu_cores']} cores in all "

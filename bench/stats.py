@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 
 def quantile(values: Sequence[float], q: float) -> float:
@@ -32,3 +32,11 @@ def latency_summary(values_ms: Sequence[float]) -> dict[str, float | int | None]
 def summary_ms(seconds: Sequence[float]) -> dict[str, float | int | None]:
     """The same summary, of latencies given in seconds."""
     return latency_summary([s * 1000 for s in seconds])
+
+
+SUMMARY_COLUMNS = ["n", "p50", "p95", "p99", "max"]
+
+
+def summary_rows(named: Iterable[tuple[str, dict]]) -> list[list]:
+    """Table rows of named latency summaries, under a name column and SUMMARY_COLUMNS."""
+    return [[name, *(s[c] for c in SUMMARY_COLUMNS)] for name, s in named]

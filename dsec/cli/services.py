@@ -187,6 +187,8 @@ def cmd_agent(args: argparse.Namespace) -> int:
             require_metrics_token=args.require_metrics_token,
             audit_max_bytes=args.audit_max_bytes,
             audit_files=args.audit_files,
+            output_budget_bytes=args.output_budget_bytes,
+            relay_bytes_per_cpu_s=args.relay_bytes_per_cpu_s,
             ca=tls.ca,
         )
     except ValidationError as e:
@@ -426,6 +428,19 @@ def register(sub: argparse._SubParsersAction) -> None:
         type=int,
         default=AgentConfig.model_fields["audit_files"].default,
         help="audit log files kept, the current one included",
+    )
+    ag.add_argument(
+        "--output-budget-bytes",
+        type=int,
+        default=AgentConfig.model_fields["output_budget_bytes"].default,
+        help="commands' output held in memory at once, shared fairly between clients; a "
+        "command with no room waits, its pipe full",
+    )
+    ag.add_argument(
+        "--relay-bytes-per-cpu-s",
+        type=int,
+        default=AgentConfig.model_fields["relay_bytes_per_cpu_s"].default,
+        help="a sandbox's output relayed per second for each CPU of its template",
     )
     _metrics_flags(ag, "")
     _tls_flags(ag)
