@@ -6,10 +6,13 @@ a command which ran is never run again, on a real sandbox, is test_resident's.""
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 from types import SimpleNamespace
 
+from agent.config import AgentConfig
 from agent.docker_driver import STDERR, STDOUT
 from agent.execs import ENGINE_START_TRIES, Execs
+from agent.metrics import AgentMetrics
 
 INIT_DIED = (
     b"OCI runtime exec failed: exec failed: unable to start container process: "
@@ -48,7 +51,12 @@ def execs_answering(*answers: Started) -> tuple[Execs, list[Started]]:
     async def sleep(seconds: float) -> None:
         await asyncio.sleep(0)
 
-    agent = SimpleNamespace(docker=SimpleNamespace(start=start), clock=SimpleNamespace(sleep=sleep))
+    agent = SimpleNamespace(
+        docker=SimpleNamespace(start=start),
+        clock=SimpleNamespace(sleep=sleep),
+        config=AgentConfig(node_id="n1", agent_token="t" * 16, state_dir=Path("/nonexistent")),
+        metrics=AgentMetrics("n1"),
+    )
     return Execs(agent), started  # type: ignore[arg-type]
 
 

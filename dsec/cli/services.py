@@ -408,8 +408,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--sandbox-uid-base",
         type=int,
         default=None,
-        help="the first uid of this node's range, one uid per sandbox (default: from the "
-        "node id)",
+        help="the first uid of this node's range, one uid per sandbox (default: from the node id)",
     )
     ag.add_argument(
         "--sandbox-uid-count",
