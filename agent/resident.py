@@ -419,8 +419,10 @@ class Resident:
             return None
         self.root.mkdir(mode=0o700, exist_ok=True)
         path = self.dir_of(sandbox.id)
-        path.mkdir(mode=0o755, exist_ok=True)
-        path.chmod(0o755)  # the sandbox's user may look in; only the agent writes
+        path.mkdir(mode=0o711, exist_ok=True)
+        # the sandbox's user passes through (its boot runs the template's command in the
+        # shell here, as that user) but lists nothing; only the agent writes
+        path.chmod(0o711)
         (path / "serve").write_text(serve_script(*ids))
         main = numeric_user(KEEPER_USER) if sandbox.spec.recyclable else ids
         assert main is not None

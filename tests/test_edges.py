@@ -79,20 +79,18 @@ def loosened(path: Path, directory: bool = False) -> Path:
 
 
 def private_mode(p: Path) -> int:
-    """What `p` must be: 0700 for a directory, 0600 for a file. Except in a sandbox's
+    """What `p` must be: 0700 for a directory, 0600 for a file. Except a sandbox's
     resident-loop directory (agent/resident.py), which the sandbox mounts read-only and
-    its user must read: 0755, its files 0644, its pipes 0666. The host reaches it only
-    through the 0700 `<node>-resident` directory above it. The loop's shell, the node's
-    copy of the host's busybox and its links in those directories, is 0111: run, never
-    read, by anyone but root."""
+    its user passes through: 0711, its files and pipes 0600 (the loop's alone, as root
+    in the container). The host reaches it only through the 0700 `<node>-resident`
+    directory above it. The loop's shell, the node's copy of the host's busybox and its
+    links in those directories, is 0111: run, never read, by anyone but root."""
     if p.name == "sh" and p.parent.parent.name.endswith("-resident"):
         return 0o111
     if p.name.endswith("-resident-sh"):
         return 0o111
-    if p.parent.parent.name.endswith("-resident"):
-        return 0o666 if p.is_fifo() else 0o644
     if p.parent.name.endswith("-resident"):
-        return 0o755
+        return 0o711
     return 0o700 if p.is_dir() else 0o600
 
 

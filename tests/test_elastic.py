@@ -9,7 +9,6 @@ import pytest
 from conftest import eventually, make_spec, started_pool
 
 from agent.docker_driver import LABEL_NODE, LABEL_POOL, LABEL_SANDBOX
-from controlplane.config import default_templates
 from dsec.client import Client
 from dsec.models import Capacity, PoolParams
 
@@ -82,9 +81,9 @@ async def test_hibernation_keeps_files_and_releases_the_container(
     await operator.set_pool(name, PoolParams(min_warm=1, templates=["base"]))
     [sandbox_id] = await eventually(lambda: _ids(operator, name, "warm", 1))
     # what a previous tenant of the template left in its work dir (written from outside)
-    docker_client.containers.get(f"dsec-{sandbox_id}").exec_run(
-        ["sh", "-c", "echo kept > /work/state"], user=default_templates()["base"].user
-    )
+    container = docker_client.containers.get(f"dsec-{sandbox_id}")
+    owner = container.exec_run(["stat", "-c", "%u:%g", "/work"]).output.decode().strip()
+    container.exec_run(["sh", "-c", "echo kept > /work/state"], user=owner)  # its own uid
     await operator.set_pool(
         name,
         PoolParams(min_warm=0, warm_fraction=0, freeze_after_s=0.5, hibernate_after_s=1,
