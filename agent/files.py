@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING, TypeVar
 from agent.docker_driver import DockerOpError
 from agent.host import in_own_thread, open_in_container
 from agent.sandboxes import Sandbox
+from agent.users import numeric_user
 from dsec.httpkit import ApiError
 from dsec.models import FileInfo, FileList, FileType
 
@@ -596,7 +597,9 @@ def _open_root(pid: int, container_id: str) -> int | None:
 
 def _ids(root: int, user: str) -> tuple[int, int]:
     """The uid and gid of the sandbox's `user` ("uid:gid", or names as the engine finds
-    them in the image's /etc/passwd and /etc/group; a bare uid is its own gid)."""
+    them in the image's /etc/passwd and /etc/group)."""
+    if (ids := numeric_user(user)) is not None:
+        return ids
     name, _, group = user.partition(":")
 
     def lookup(table: str, key: str, field: int) -> int:
@@ -613,7 +616,7 @@ def _ids(root: int, user: str) -> tuple[int, int]:
     uid = lookup("passwd", name, 2)
     if group:
         return uid, lookup("group", group, 2)
-    return uid, uid if name.isascii() and name.isdigit() else lookup("passwd", name, 3)
+    return uid, lookup("passwd", name, 3)
 
 
 def _as_user(tree: Tree, user: str, step: Callable[[], T]) -> T:
