@@ -73,14 +73,14 @@ class PoolChurn:
 
 
 async def pool_churn(
-    client: Client, pool: str, episodes: int, concurrency: int, execs: int
+    client: Client, pool: str, episodes: int, concurrency: int, execs: int, template: str = "base"
 ) -> PoolChurn:
     result = PoolChurn()
     todo = iter(range(episodes))
 
     async def episode() -> None:
         t0 = time.perf_counter()
-        sb = await client.acquire(pool=pool, timeout=ACQUIRE_TIMEOUT_S)
+        sb = await client.acquire(pool=pool, template=template, timeout=ACQUIRE_TIMEOUT_S)
         result.acquire_s.append(time.perf_counter() - t0)
         result.paths[sb.lease.path] += 1
         try:

@@ -9,6 +9,7 @@ from bench.fidelity import add_fidelity_arguments, run_fidelity
 from bench.generate import add_generate_arguments, run_generate
 from bench.replay import add_compare_arguments, add_replay_arguments, run_compare, run_replay
 from bench.report_scale import add_report_scale_arguments, run_report_scale
+from bench.rollout import add_rollout_arguments, run_rollout
 from bench.sweep import add_sweep_arguments, run_sweep
 from bench.tune import add_tune_arguments, run_tune
 
@@ -35,6 +36,13 @@ def register(sub: argparse._SubParsersAction) -> None:
             "a node's heartbeat of 5,000 sandboxes, applied by the control plane",
             add_report_scale_arguments,
             run_report_scale,
+        ),
+        (
+            "rollout",
+            "a GRPO-like rollout step on a Python template: dsec against a container per "
+            "rollout and llm-sandbox, in the same run",
+            add_rollout_arguments,
+            run_rollout,
         ),
     ):
         command = bench_sub.add_parser(name, help=help_)
