@@ -1,8 +1,8 @@
 """The agent's HTTP routes and its app factory.
 
 The control plane (its call token for this node) creates, leases, pauses, thaws, resets
-and removes sandboxes; the client holding a lease (lease token) runs commands and moves
-files.
+and removes sandboxes, and sends the images the node lacks (agent/images.py); the client
+holding a lease (lease token) runs commands and moves files.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from agent import runtime
 from agent.audit import AuditRecords, RefusalRecord
 from agent.docker_driver import DockerOpError
 from agent.files import checked_mode, checked_path
+from agent.images import ImageLoaded, ImageLoader
 from agent.node import SHUTDOWN_WAIT_S, Agent
 from agent.report import node_report, sandbox_report
 from agent.resident import RunningCommand
@@ -68,6 +69,7 @@ WS_CLOSE_WAIT_S = 10.0  # after the exit message, how long the client has to clo
 
 
 AGENT = web.AppKey("agent", Agent)
+IMAGE_LOADER = web.AppKey("image_loader", ImageLoader)
 
 
 def _agent(request: web.Request) -> Agent:
@@ -321,6 +323,12 @@ async def remove_file(request: web.Request) -> web.Response:
     return model_response(FileRemoved(path=path))
 
 
+async def load_image(request: web.Request) -> web.Response:
+    _control_plane_only(request)
+    chunks = body_chunks(request, FILE_CHUNK)
+    return model_response(await request.app[IMAGE_LOADER].receive(request.query.get("ref"), chunks))
+
+
 async def read_audit(request: web.Request) -> web.Response:
     agent = _control_plane_only(request)
     sandbox_id = request.query.get("sandbox")
@@ -467,6 +475,14 @@ def agent_api() -> Api:
         answer=FileInfo,
         summary="unpack a tar into a directory, made if missing (?path=; lease token)",
     )
+    api.route(
+        "PUT",
+        "/v1/images",
+        load_image,
+        answer=ImageLoaded,
+        summary="load image ?ref= (name:tag) from the body, what `docker save` writes of it "
+        "(control plane only; agent/images.py)",
+    )
     api.route("GET", "/v1/node", get_node, answer=NodeReport, summary="this node's report")
     api.route(
         "GET",
@@ -501,6 +517,7 @@ async def _audit_refusal(request: web.Request, refusal: CredentialRefused) -> No
 def create_agent_app(agent: Agent) -> web.Application:
     app = new_app(agent_api(), on_refused=_audit_refusal)
     app[AGENT] = agent
+    app[IMAGE_LOADER] = ImageLoader(agent)
 
     async def lifecycle(app: web.Application) -> AsyncIterator[None]:
         await asyncio.to_thread(agent.protect_state_dir)

@@ -438,6 +438,19 @@ class AsyncDocker:
         images = await self.call("images", self.api.images.list)
         return sorted({t for img in images for t in (img.get("RepoTags") or [])})
 
+    async def load_image(self, archive: Path) -> None:
+        """`docker load` of the archive at `archive` (what `docker save` writes), read
+        from the file as it is sent (aiohttp reads files in a thread). An archive the
+        engine refuses (not a tar, cut short, a layer whose digest does not match)
+        raises; the engine keeps nothing of it. A load holds a lifecycle slot while it
+        runs, after what clients and creates wait for."""
+
+        async def load() -> None:
+            with await asyncio.to_thread(archive.open, "rb") as body:
+                await self.api.images.import_image(data=body)
+
+        await self.call("image_load", load, Work.FREEZE)
+
     # --- commands -----------------------------------------------------------------
 
     async def start(

@@ -20,6 +20,7 @@ from controlplane.agents import AgentClient, HttpAgents
 from controlplane.cloud import CloudProvider
 from controlplane.config import ControlPlaneConfig
 from controlplane.identities import Identities, check_agent_url
+from controlplane.images import ImageDistributor
 from controlplane.metrics import UNKNOWN_POOL
 from controlplane.scheduler import Scheduler, build_scheduler
 from controlplane.view import NodeEntry, SandboxEntry
@@ -522,15 +523,23 @@ def create_controlplane_app(
     identities = Identities.of(config)
     agents = agents or HttpAgents(identities)
     scheduler = build_scheduler(config, agents, clock, cloud=cloud)
+    # images go to the agents as their calls do, trusting what those trust (TLS)
+    verify = agents.verify if isinstance(agents, HttpAgents) else True
+    images = scheduler.images = ImageDistributor(scheduler, identities, verify)
     app = new_app(controlplane_api())
     app[SCHEDULER] = scheduler
     app[IDENTITIES] = identities
 
     async def lifecycle(app: web.Application) -> AsyncIterator[None]:
         await agents.start()
-        loop = asyncio.create_task(scheduler.run_forever(), name="scheduler")
+        await images.start()
+        loops = [
+            asyncio.create_task(scheduler.run_forever(), name="scheduler"),
+            asyncio.create_task(images.run_forever(), name="images"),
+        ]
         yield
-        await cancel_and_wait(loop)
+        await cancel_and_wait(*loops)
+        await images.close()
         if cloud is not None:
             await cloud.close()
         await scheduler.drain()

@@ -186,6 +186,14 @@ class ControlPlaneMetrics:
             ["pool"],
             registry=r,
         )
+        self.image_transfers = Counter(
+            "dsec_image_transfers_total",
+            "Images sent from the control plane's host to nodes that lacked them, by outcome "
+            "(ok, refused: the agent answered 4xx, failed: 5xx, unreachable or timed out, "
+            "no_image: the host's engine could not save it)",
+            ["node", "outcome"],
+            registry=r,
+        )
         self.nodes_taken_out = Counter(
             "dsec_nodes_taken_out_total",
             "Times a node was taken out of placement for failing calls in a row",
