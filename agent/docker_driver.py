@@ -120,8 +120,9 @@ def container_config(
         "Cmd": spec.command,
         "Labels": labels,
         "User": init_user,
-        # a sandbox's own uid has no home in the image's /etc/passwd: the work dir is
-        "Env": [f"HOME={spec.workdir}"],
+        # a sandbox's own uid has no home in the image's /etc/passwd: the work dir is,
+        # unless the template's environment says otherwise
+        "Env": [f"{k}={v}" for k, v in {"HOME": spec.workdir, **spec.env}.items()],
         "WorkingDir": spec.workdir,
         "NetworkDisabled": True,
         "HostConfig": {

@@ -320,7 +320,8 @@ class Execs:
     ) -> Outcome:
         agent, cid = self.agent, sandbox.record.container_id
         marker = secrets.token_hex(16)
-        env = {**req.env, **_terminal_env(attach), MARKER_ENV: marker}
+        # the template's environment, under what the command sets itself
+        env = {**sandbox.spec.env, **req.env, **_terminal_env(attach), MARKER_ENV: marker}
         # a terminal is the command's stdin too, even when no input is sent
         stdin = attach is not None and (attach.stdin or attach.tty)
         proc: RunningCommand | None = None

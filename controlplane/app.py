@@ -61,6 +61,11 @@ from dsec.models import (
     ReportAck,
     SandboxInfo,
     SandboxList,
+    TemplateBody,
+    TemplateInfo,
+    TemplateList,
+    TemplateRemoved,
+    TemplateSpec,
     Usage,
     validation_details,
 )
@@ -351,6 +356,67 @@ async def patch_pool(request: web.Request) -> web.Response:
     return model_response(_pool_info(s, name))
 
 
+def _template_info(s: Scheduler, name: str) -> TemplateInfo:
+    spec = s.config.templates[name]
+    states = Counter(str(e.state) for e in s.view.sandboxes.values() if e.template == name)
+    return TemplateInfo(
+        name=name,
+        spec=spec,
+        pools=sorted(p for p, params in s.config.pools.items() if name in params.templates),
+        nodes_with_image=s.nodes_with_image(spec.image),
+        distributable=s.image_sent(spec.image),
+        sandboxes=dict(states),
+    )
+
+
+def _template_name(request: web.Request) -> str:
+    name = request.match_info["name"]
+    if not re.match(NAME_PATTERN, name):
+        raise ApiError(400, "invalid_template_name", f"not a template name: {name!r}")
+    return name
+
+
+async def list_templates(request: web.Request) -> web.Response:
+    s = _client(request)
+    infos = [_template_info(s, name) for name in s.config.templates]
+    return model_response(TemplateList(templates=infos))
+
+
+async def get_template(request: web.Request) -> web.Response:
+    s = _client(request)
+    name = _template_name(request)
+    if name not in s.config.templates:
+        raise ApiError(404, "unknown_template", f"no template named {name!r}")
+    return model_response(_template_info(s, name))
+
+
+async def put_template(request: web.Request) -> web.Response:
+    s = _admin(request)
+    name = _template_name(request)
+    body = await read_model(request, TemplateBody)
+    if body.name is not None and body.name != name:
+        raise ApiError(
+            422,
+            "template_name_mismatch",
+            f"the body names template {body.name!r}, the path {name!r}",
+            [{"loc": "name", "msg": "leave it out, or give the path's name"}],
+        )
+    spec = TemplateSpec(**body.model_dump(exclude={"name"}), name=name)
+    created = name not in s.config.templates
+    s.set_template(spec)
+    return model_response(_template_info(s, name), 201 if created else 200)
+
+
+async def delete_template(request: web.Request) -> web.Response:
+    s = _admin(request)
+    name = _template_name(request)
+    retired = s.delete_template(name)
+    leased = sum(1 for e in retired if e.state in ASSIGNED)
+    return model_response(
+        TemplateRemoved(name=name, sandboxes_removed=len(retired) - leased, leases_left=leased)
+    )
+
+
 async def prewarm_pool(request: web.Request) -> web.Response:
     s = _client(request)  # a trainer announcing its next burst is a client
     name = request.match_info["name"]
@@ -472,6 +538,35 @@ def controlplane_api() -> Api:
         answer=PoolInfo,
         summary="change some of a pool's parameters (admin): only the fields sent; the "
         "result is checked as a whole, and a bad value changes nothing",
+    )
+    api.route(
+        "GET",
+        "/v1/templates",
+        list_templates,
+        answer=TemplateList,
+        summary="templates: each one's settings, the pools keeping it warm, the nodes holding "
+        "its image",
+    )
+    api.route(
+        "GET", "/v1/templates/{name}", get_template, answer=TemplateInfo, summary="one template"
+    )
+    api.route(
+        "PUT",
+        "/v1/templates/{name}",
+        put_template,
+        body=TemplateBody,
+        answer=TemplateInfo,
+        summary="add or change a template live (admin): 201 when new; a change retires the "
+        "old one's sandboxes (idle ones go, leases run to their end); 422 when no node holds "
+        "its image and the control plane's host has none to send",
+    )
+    api.route(
+        "DELETE",
+        "/v1/templates/{name}",
+        delete_template,
+        answer=TemplateRemoved,
+        summary="remove a template live (admin): its idle sandboxes go, its leases run to "
+        "their end; 409 while a pool keeps it warm",
     )
     api.route(
         "POST",

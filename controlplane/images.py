@@ -51,6 +51,7 @@ from aiodocker.exceptions import DockerError
 
 from controlplane.identities import Identities
 from dsec.httpkit import cancel_and_wait
+from dsec.models import normalise_image_ref
 
 if TYPE_CHECKING:
     from controlplane.scheduler import Scheduler
@@ -70,24 +71,8 @@ CHUNK = 1 << 20
 # image, so nothing comes back meanwhile (a GB at 20 MB/s and its load take minutes).
 TRANSFER_TIMEOUT = aiohttp.ClientTimeout(total=1800, sock_connect=10)
 DEFAULT_DOCKER_HOST = "unix:///var/run/docker.sock"
-DOCKER_HUB = ("docker.io", "index.docker.io")  # an engine lists its images without it
 
 Outcome = Literal["ok", "refused", "failed", "no_image"]
-
-
-def normalise_image_ref(ref: str) -> str:
-    """`ref` as an engine lists it among an image's tags: `ubuntu` is `ubuntu:latest`,
-    `host:5000/app` is `host:5000/app:latest` (a port is not a tag), and Docker Hub's
-    own names are short (`docker.io/library/python:3.12` is `python:3.12`,
-    `docker.io/org/app` is `org/app:latest`); a reference by digest as it is."""
-    if "@" in ref:
-        return ref
-    domain, slash, path = ref.partition("/")
-    if slash and domain in DOCKER_HUB:
-        ref = path
-    if ref.startswith("library/") and ref.count("/") == 1:
-        ref = ref.removeprefix("library/")
-    return ref if ":" in ref.rsplit("/", 1)[-1] else f"{ref}:latest"
 
 
 class TransferRefused(Exception):

@@ -526,10 +526,13 @@ class Leases:
 
     def recycles(self, entry: SandboxEntry) -> bool:
         """Whether releasing `entry` resets it into the warm pool instead of removing it:
-        its pool has `recycle` on and its template allows it (`recyclable`)."""
+        its pool has `recycle` on and its template, as it was made from, allows it
+        (`recyclable`; one since removed or changed never comes back)."""
         params = self.config.pools.get(entry.pool)
         template = self.config.templates.get(entry.template)
-        return bool(params and params.recycle and template and template.recyclable)
+        return bool(
+            params and params.recycle and template and template.recyclable and not entry.retired
+        )
 
     def learn(self, entries: list[SandboxEntry]) -> None:
         """Sandboxes a heartbeat taught the view (after a restart): their keys count again."""

@@ -18,6 +18,7 @@ import logging
 import math
 import secrets
 from collections.abc import Callable
+from typing import Protocol
 
 from controlplane.actuator import Actuator
 from controlplane.agents import AgentClient
@@ -32,7 +33,15 @@ from controlplane.view import ClusterView, SandboxEntry
 from dsec.baselines import Policy, make_policy
 from dsec.clock import Clock
 from dsec.httpkit import ApiError
-from dsec.models import NodeReport, PoolParams, PrewarmInfo, PrewarmRequest, ReportAck
+from dsec.models import (
+    NodeReport,
+    PoolParams,
+    PrewarmInfo,
+    PrewarmRequest,
+    ReportAck,
+    TemplateSpec,
+    normalise_image_ref,
+)
 from dsec.peaks import PeakTracker
 from dsec.policy import (
     PREWARM_REASON,
@@ -48,6 +57,12 @@ from dsec.policy import (
 from dsec.states import SandboxState
 
 log = logging.getLogger(__name__)
+
+
+class ImageSource(Protocol):
+    """Where images come from for nodes that lack them (controlplane/images.py)."""
+
+    def available(self, image: str) -> bool: ...
 
 
 class Scheduler:
@@ -84,6 +99,9 @@ class Scheduler:
         self.leases = Leases(config, view, queues, self.actuator, clock, metrics, self.wake, ids)
         self.ticks = 0
         self.leases_looked_at = -math.inf
+        # sends templates' images to the nodes that lack them (the app sets it; None:
+        # nothing is sent, and a node serves only the images its engine already holds)
+        self.images: ImageSource | None = None
 
     # --- the loop ---------------------------------------------------------------
 
@@ -133,7 +151,14 @@ class Scheduler:
     def snapshot(self, now: float, waiting: list[PendingRequest]) -> Snapshot:
         """What the policy decides on, with `waiting` the requests not yet handed a sandbox."""
         templates = {
-            name: TemplateSnap(name, t.image, t.cpus, t.memory_limit_mb, t.may_overflow)
+            name: TemplateSnap(
+                name,
+                normalise_image_ref(t.image),
+                t.cpus,
+                t.memory_limit_mb,
+                t.may_overflow,
+                self.image_sent(t.image),
+            )
             for name, t in self.config.templates.items()
         }
         requests = tuple(r.snap() for r in waiting)
@@ -250,6 +275,75 @@ class Scheduler:
             )
         self.config.pools[name] = params
         self.wake()
+
+    def image_sent(self, image: str) -> bool:
+        """Whether `image` is being sent to the nodes that lack it."""
+        return self.images is not None and self.images.available(image)
+
+    def nodes_with_image(self, image: str) -> list[str]:
+        """The nodes whose last report says their engine holds `image`."""
+        ref = normalise_image_ref(image)
+        return sorted(n.id for n in self.view.nodes.values() if ref in n.images)
+
+    def set_template(self, spec: TemplateSpec) -> list[SandboxEntry]:
+        """Add or change a template live; a change retires the sandboxes made from the
+        old one (policy rule 10), which it returns. An ApiError says why it cannot be:
+        no node holds its image and none is being sent, or a pool recycles it and it
+        does not allow that."""
+        healthy = [n for n in self.view.nodes.values() if n.healthy]
+        if not self.image_sent(spec.image) and not any(
+            normalise_image_ref(spec.image) in n.images for n in healthy
+        ):
+            raise ApiError(
+                422,
+                "image_not_found",
+                f"no node holds image {spec.image!r} of template {spec.name!r}, and the "
+                "control plane's host has none to send",
+                [{"loc": "image", "msg": "build it (dsec template build) or load it on a node"}],
+            )
+        templates = {**self.config.templates, spec.name: spec}
+        for pool, params in self.config.pools.items():
+            if refused := not_recyclable(params, templates):
+                raise ApiError(
+                    422,
+                    "template_not_recyclable",
+                    f"pool {pool!r} recycles template {spec.name!r}: it must allow that",
+                    [{"loc": "recyclable", "msg": f"pool {pool!r} has recycle on: {refused}"}],
+                )
+        old = self.config.templates.get(spec.name)
+        self.config.templates[spec.name] = spec
+        retired = [] if old is None or old == spec else self.view.retire_template(spec.name)
+        log.info(
+            "template %s %s (image %s)%s",
+            spec.name,
+            "added" if old is None else "kept as it was" if old == spec else "changed",
+            spec.image,
+            f": {len(retired)} sandboxes of the old one retire" if retired else "",
+        )
+        self.wake()
+        return retired
+
+    def delete_template(self, name: str) -> list[SandboxEntry]:
+        """Remove a template live: its sandboxes retire (its idle ones go now, its leases
+        run to their end), and they are returned. An ApiError when it is unknown or a
+        pool keeps it warm."""
+        if name not in self.config.templates:
+            raise ApiError(404, "unknown_template", f"no template named {name!r}")
+        users = sorted(p for p, params in self.config.pools.items() if name in params.templates)
+        if users:
+            raise ApiError(
+                409,
+                "template_in_use",
+                f"template {name!r} is kept warm by pool {users[0]!r}"
+                + (f" (and {len(users) - 1} more)" if len(users) > 1 else "")
+                + ": take it out of the pool's templates first",
+                [{"loc": "pools", "msg": f"pools listing it: {users}"}],
+            )
+        del self.config.templates[name]
+        retired = self.view.retire_template(name)
+        log.info("template %s removed: %d sandboxes retire", name, len(retired))
+        self.wake()
+        return retired
 
     def prewarm(
         self,

@@ -90,7 +90,7 @@ class NodeEntry:
 _SNAPPED = frozenset(
     (
         "id", "node", "pool", "template", "state", "since", "reserved_for", "idle_since",
-        "frozen_at", "leased_at", "renewed_at",
+        "frozen_at", "leased_at", "renewed_at", "retired",
     )
 )  # fmt: skip
 
@@ -123,6 +123,8 @@ class SandboxEntry:
     renewed_at: float | None = None  # when its client last renewed the lease
     lease_expires_at: int | None = None  # Unix second its lease token ends (Leases.token_of)
     ended: LeaseEnd = "released"  # why it goes, once it does: what its agent tells clients
+    # made from a template since removed or changed: removed once idle, never recycled
+    retired: bool = False
     # what the policy is shown of it, kept from tick to tick while none of that changes
     _snap: SandboxSnap | None = field(default=None, init=False, repr=False, compare=False)
 
@@ -150,6 +152,7 @@ class SandboxEntry:
                 frozen_at=self.frozen_at,
                 leased_at=self.leased_at,
                 renewed_at=self.renewed_at,
+                retired=self.retired,
             )
         return self._snap
 
@@ -243,6 +246,14 @@ class ClusterView:
         self._count(entry, -1)
         entry.pool = pool
         self._count(entry, +1)
+
+    def retire_template(self, template: str) -> list[SandboxEntry]:
+        """Mark every sandbox of `template` as made from a template that is no longer
+        (removed, or changed): no request takes one again (policy rule 10)."""
+        found = [e for e in self.sandboxes.values() if e.template == template]
+        for entry in found:
+            entry.retired = True
+        return found
 
     def forget(self, sandbox_id: str, tombstone: bool = True) -> SandboxEntry | None:
         """Drop a sandbox; with a tombstone, late calls about it learn it was released."""

@@ -60,6 +60,11 @@ from dsec.models import (
     Released,
     SandboxInfo,
     SandboxList,
+    TemplateBody,
+    TemplateInfo,
+    TemplateList,
+    TemplateRemoved,
+    TemplateSpec,
 )
 from dsec.tls import client_ssl
 from dsec.tokens import LEASE_TOKEN_HEADER
@@ -764,6 +769,35 @@ class Client:
         pydantic's ValidationError here; a bad value or pair, DsecError 422."""
         body = PoolPatch.model_validate(fields)
         return await self._call("PATCH", f"{self.url}/v1/pools/{name}", PoolInfo, body)
+
+    async def templates(self) -> list[TemplateInfo]:
+        """Every template: its settings, the pools keeping it warm, the nodes holding its
+        image, its sandboxes by state."""
+        return (await self._call("GET", f"{self.url}/v1/templates", TemplateList)).templates
+
+    async def template(self, name: str) -> TemplateInfo:
+        return await self._call(
+            "GET", f"{self.url}/v1/templates/{quote(name, safe='')}", TemplateInfo
+        )
+
+    async def put_template(
+        self, name: str, spec: TemplateSpec | TemplateBody | dict[str, Any]
+    ) -> TemplateInfo:
+        """Add or change a template live (admin token): `spec` is a TemplateSpec, or a dict
+        of its fields (its name may be left out). A change retires the old one's sandboxes:
+        its idle ones go, its leases run to their end. A field pydantic refuses raises its
+        ValidationError here; an image no node holds, DsecError 422."""
+        fields = spec if isinstance(spec, dict) else spec.model_dump(exclude_unset=True)
+        body = TemplateBody.model_validate(fields)
+        return await self._call("PUT", self._template_url(name), TemplateInfo, body)
+
+    async def delete_template(self, name: str) -> TemplateRemoved:
+        """Remove a template live (admin token): its idle sandboxes go, its leases run to
+        their end; DsecError 409 while a pool keeps it warm."""
+        return await self._call("DELETE", self._template_url(name), TemplateRemoved)
+
+    def _template_url(self, name: str) -> str:
+        return f"{self.url}/v1/templates/{quote(name, safe='')}"
 
     async def prewarm(
         self,

@@ -512,6 +512,10 @@ class _Peer:
         return self.reading + len(self.waiting)
 
 
+# A held connection with less time than this left to authenticate is refused, not read.
+LAST_MOMENT_S = 0.05
+
+
 class ConnectionGate:
     """Which connections a server reads and keeps (ServerLimits says how many): a
     connection is its peer's until a request on it authenticates (`authenticated`),
@@ -609,10 +613,25 @@ class ConnectionGate:
             assert conn.handler is not None
             del self.reading[conn.handler]
             peer.reading -= 1
-            if peer.waiting:
-                self._read(peer.waiting.popleft(), peer)
+            self._read_next(peer)
         if peer.unauthenticated == 0:
             del self.peers[conn.peer]  # its next refusal is a new episode
+
+    def _read_next(self, peer: _Peer) -> None:
+        """Read the next connection `peer` holds. One whose time to authenticate has all
+        but run out is answered 503 instead: read, it would only be closed unanswered
+        (its deadline falls with the one that made room for it, or a moment after)."""
+        now = asyncio.get_running_loop().time()
+        while peer.waiting:
+            conn = peer.waiting.popleft()
+            assert conn.deadline is not None
+            if conn.deadline.when() - now > LAST_MOMENT_S:
+                self._read(conn, peer)
+                return
+            conn.deadline.cancel()
+            self.unauthenticated_count -= 1
+            conn.state = _REFUSED
+            conn.refuse()
 
     def _late(self, conn: _Connection) -> None:
         """`conn` did not authenticate in time: closed (answered 503 if never read)."""

@@ -49,6 +49,28 @@ ClientId = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{16}$")]
 # the control plane's seal on a lease it granted (controlplane/identities.py, grant_proof)
 GrantProof = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
 ImageRef = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9._/:@-]{0,254}$")]
+# An environment variable's name, as a shell and Docker take it.
+EnvName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")]
+# Its value: anything but NUL, which no process environment can hold.
+EnvValue = Annotated[str, StringConstraints(pattern=r"^[^\x00]*$", max_length=32768)]
+DOCKER_HUB = ("docker.io", "index.docker.io")  # an engine lists its images without it
+
+
+def normalise_image_ref(ref: str) -> str:
+    """`ref` as an engine lists it among an image's tags: `ubuntu` is `ubuntu:latest`,
+    `host:5000/app` is `host:5000/app:latest` (a port is not a tag), and Docker Hub's
+    own names are short (`docker.io/library/python:3.12` is `python:3.12`,
+    `docker.io/org/app` is `org/app:latest`); a reference by digest as it is."""
+    if "@" in ref:
+        return ref
+    domain, slash, path = ref.partition("/")
+    if slash and domain in DOCKER_HUB:
+        ref = path
+    if ref.startswith("library/") and ref.count("/") == 1:
+        ref = ref.removeprefix("library/")
+    return ref if ":" in ref.rsplit("/", 1)[-1] else f"{ref}:latest"
+
+
 NodeKind = Literal["local", "cloud"]
 SchedulePath = Literal["warm", "thaw", "cold", "overflow"]
 # an operator's drain of a node: none, draining (sandboxes left), drained (it may go)
@@ -164,9 +186,7 @@ class ExecRequest(Wire):
     max_output_bytes: int = Field(
         1024 * 1024, ge=0, le=MAX_OUTPUT_BYTES, description="cap per stream; the rest is dropped"
     )
-    env: dict[Annotated[str, StringConstraints(pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")], str] = (
-        Field(default_factory=dict, max_length=256)
-    )
+    env: dict[EnvName, str] = Field(default_factory=dict, max_length=256)
     workdir: Annotated[str, StringConstraints(pattern=r"^/[^\x00]{0,1023}$")] | None = None
     encoding: OutputEncoding = Field(
         "utf-8", description="base64 returns stdout and stderr byte for byte"
@@ -246,10 +266,10 @@ class FileRemoved(Wire):
 OWN_USER = "1000:1000"
 
 
-class TemplateSpec(Wire):
-    """How to run a sandbox: the image and its limits. Safe by default."""
+class TemplateFields(Wire):
+    """A template's settings, as `PUT /v1/templates/{name}` takes them (the name is the
+    path's); `TemplateSpec` is a template with its name."""
 
-    name: Name
     image: ImageRef
     cpus: float = Field(0.5, ge=0.01, le=256)
     memory_mb: int = Field(256, ge=16, le=1024 * 1024)
@@ -275,6 +295,18 @@ class TemplateSpec(Wire):
         "and hand it out again instead of removing it (needs sh, kill, rm and chmod in the "
         "image)",
     )
+    env: dict[EnvName, EnvValue] = Field(
+        default_factory=dict,
+        max_length=256,
+        description="environment variables of its sandboxes: of the template's command and "
+        "of every command, unless the command sets its own",
+    )
+
+
+class TemplateSpec(TemplateFields):
+    """How to run a sandbox: the image and its limits. Safe by default."""
+
+    name: Name
 
     @property
     def memory_limit_mb(self) -> int:
@@ -356,6 +388,35 @@ class PoolInfo(Wire):
 
 class PoolList(Wire):
     pools: list[PoolInfo]
+
+
+class TemplateBody(TemplateFields):
+    """The body of `PUT /v1/templates/{name}`: a template without its name, or with the
+    path's name."""
+
+    name: Name | None = None
+
+
+class TemplateInfo(Wire):
+    name: Name
+    spec: TemplateSpec
+    pools: list[Name] = Field(description="the pools that keep it warm")
+    nodes_with_image: list[str] = Field(description="the nodes whose engine holds its image")
+    distributable: bool = Field(
+        description="the control plane's host holds its image and sends it to nodes that lack it"
+    )
+    sandboxes: dict[str, int] = Field(description="its sandboxes, count by state")
+
+
+class TemplateList(Wire):
+    templates: list[TemplateInfo]
+
+
+class TemplateRemoved(Wire):
+    name: Name
+    removed: bool = True
+    sandboxes_removed: int = Field(description="its sandboxes no client held, removed now")
+    leases_left: int = Field(description="its sandboxes held by clients: they run to their end")
 
 
 MAX_PREWARM_S = 86_400.0

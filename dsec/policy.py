@@ -41,6 +41,13 @@ One decision, in order (DSec's defaults, seed 004 section 4.2):
    no creates and no claims (rules 1 to 3 and 7 look past it), and its idle sandboxes
    (warm, paused, hibernated) are removed; its leases run to their end, under rules 6
    and 8 as anywhere else.
+10. Retire: a sandbox made from a template since removed or changed (`PUT` or `DELETE
+   /v1/templates/{name}`) is taken by no request; once idle it is removed, and a lease
+   on it runs to its end (its release removes it, whatever the pool's recycle says).
+
+Placement never sends a create to a node whose engine lacks the template's image; a
+request no node can take for that reason fails at once (final), unless the control
+plane is sending the image to them (`TemplateSnap.distributable`).
 """
 
 from __future__ import annotations
@@ -114,10 +121,13 @@ class NodeSnap:
 @dataclass(frozen=True)
 class TemplateSnap:
     name: str
-    image: str
+    image: str  # as nodes list their images (dsec.models.normalise_image_ref)
     cpus: float
     memory_mb: int
     may_overflow: bool
+    # the control plane is sending its image to nodes that lack it: a request for it
+    # waits for a node that has it rather than failing
+    distributable: bool = False
 
     @property
     def needs(self) -> Resources:
@@ -137,6 +147,9 @@ class SandboxSnap:
     frozen_at: float | None = None  # paused or hibernated: when it was first frozen
     leased_at: float | None = None  # leased: when its lease began
     renewed_at: float | None = None  # leased: when its client last renewed it
+    # made from a template since removed or changed: rule 10 removes it once idle, and
+    # no request takes it
+    retired: bool = False
 
 
 @dataclass(slots=True)
@@ -244,7 +257,9 @@ class Unplaceable:
     otherwise the request waits, and its reason is what its client hears on timeout."""
 
     request_id: str
-    code: str  # no_room (nothing fits now) or template_refused (final)
+    # no_room (nothing fits now), template_refused (final), image_missing (final unless
+    # the image is being sent), template_removed (final)
+    code: str
     final: bool
     reason: str
 
@@ -377,18 +392,18 @@ class Placement:
     ) -> NodeSnap | None:
         """Pick a node for one sandbox of `template`, or None if nothing fits.
 
-        Local nodes first; cloud ones while local utilisation is past the overflow
-        threshold (or local is full) and the template may leave. Among candidates,
-        those holding the image, then the shortest queue of creates on their engine,
-        then the most free capacity. With `spare_engine_only` (a refill no request waits
-        for) it only goes where the engine has a create to spare: past its measured
-        limit it would only queue behind the creates that requests wait for.
+        Only nodes whose engine holds the template's image. Local nodes first; cloud
+        ones while local utilisation is past the overflow threshold (or local is full)
+        and the template may leave. Among candidates, the shortest queue of creates on
+        their engine, then the most free capacity. With `spare_engine_only` (a refill no
+        request waits for) it only goes where the engine has a create to spare: past its
+        measured limit it would only queue behind the creates that requests wait for.
         """
-        needs = template.needs
-        candidates = self.feasible("local", needs, exclude)
+        needs, image = template.needs, template.image
+        candidates = [n for n in self.feasible("local", needs, exclude) if image in n.images]
         overflowing = not candidates or self.local_utilisation() >= overflow_threshold
         if overflowing and template.may_overflow:
-            cloud = self.feasible("cloud", needs, exclude)
+            cloud = [n for n in self.feasible("cloud", needs, exclude) if image in n.images]
             if cloud:
                 candidates = cloud
             else:
@@ -402,7 +417,6 @@ class Placement:
         best = max(
             candidates,
             key=lambda n: (
-                template.image in n.images,
                 -self.creates_queued(n),
                 1.0 - (self.used(n) + needs).ratio_of(n.capacity),
                 n.id,  # a stable tie-break keeps decisions reproducible
@@ -428,11 +442,20 @@ class Placement:
             return Create(node.id, req.pool, req.template, req.id, why)
         # the nodes that could ever run it, whatever their room: have they all refused it?
         eligible = [
-            n.id
+            n
             for n in self.nodes
             if n.healthy and not n.draining and (n.kind == "local" or template.may_overflow)
         ]
-        if req.template_refusal is not None and req.refused_by.issuperset(eligible):
+        if eligible and not any(template.image in n.images for n in eligible):
+            sent = template.distributable
+            return Unplaceable(
+                req.id,
+                "image_missing",
+                not sent,
+                f"no node holds image {template.image} of template {req.template!r}"
+                + ("; it is being sent to them" if sent else ""),
+            )
+        if req.template_refusal is not None and req.refused_by.issuperset(n.id for n in eligible):
             return Unplaceable(
                 req.id,
                 "template_refused",
@@ -466,15 +489,22 @@ class _Decision:
         self.frozen_leases: list[SandboxSnap] = []
         draining = {n.id for n in snapshot.nodes if n.draining}
         self.drained: list[SandboxSnap] = []  # idle on a draining node: rule 9 removes them
+        self.retired: list[SandboxSnap] = []  # idle, of an old template: rule 10 removes them
         free, creating = self.free, self.creating  # in locals: this runs per sandbox per tick
         for sb in sorted(snapshot.sandboxes, key=attrgetter("since", "id")):
             state = sb.state
-            if draining and sb.node in draining and state != S.LEASED and state != S.LEASED_PAUSED:
-                # neither claimed nor waited for: a create under way there is removed once
-                # it is ready, and its request is served elsewhere
-                if state in (S.WARM, S.PAUSED, S.HIBERNATED):
-                    self.drained.append(sb)
-                continue
+            if state != S.LEASED and state != S.LEASED_PAUSED:
+                if sb.retired:
+                    # neither claimed nor waited for: a create under way is removed once
+                    # it is ready, and its request is served by the template as it is now
+                    if state in (S.WARM, S.PAUSED, S.HIBERNATED):
+                        self.retired.append(sb)
+                    continue
+                if draining and sb.node in draining:
+                    # the same on a draining node: its request is served elsewhere
+                    if state in (S.WARM, S.PAUSED, S.HIBERNATED):
+                        self.drained.append(sb)
+                    continue
             # a sandbox created for a request is not kept for it: whatever is ready first
             # goes to the oldest waiter (reserved_for only tells whose create it was)
             if state == S.CREATING:
@@ -567,7 +597,7 @@ class _Decision:
             if key in full and req.template_refusal is None:
                 continue  # a refused template's request is still told when all refused it
             made = self._create_for(req)
-            if isinstance(made, Unplaceable) and not req.refused_by:
+            if isinstance(made, Unplaceable) and not made.final and not req.refused_by:
                 full.add(key)  # no node excluded for it, and none had room
 
     def _claim_for(self, req: RequestSnap) -> bool:
@@ -607,8 +637,14 @@ class _Decision:
     def _create_for(self, req: RequestSnap) -> Create | Unplaceable | None:
         template = self.snap.templates.get(req.template)
         params = self.pools.get(req.pool)
-        if template is None or params is None:
+        if params is None:
             return None
+        if template is None:  # removed while the request waited
+            made: Create | Unplaceable = Unplaceable(
+                req.id, "template_removed", True, f"template {req.template!r} was removed"
+            )
+            self.actions.append(made)
+            return made
         made = self.placement.for_request(
             req, template, params, ("request", req.id), "no free sandbox for a request"
         )
@@ -767,6 +803,11 @@ class _Decision:
         for sb in self.drained:
             self.actions.append(Destroy(sb.id, "its node is draining"))
 
+    # 10 --------------------------------------------------------------------------
+    def retire(self) -> None:
+        for sb in self.retired:
+            self.actions.append(Destroy(sb.id, "its template was removed or changed"))
+
 
 def decide(snapshot: Snapshot, pools: Mapping[str, PoolParams], now: float) -> list[Action]:
     d = _Decision(snapshot, pools, now)
@@ -778,4 +819,5 @@ def decide(snapshot: Snapshot, pools: Mapping[str, PoolParams], now: float) -> l
     d.expire_leases()
     d.cloud()
     d.drain()
+    d.retire()
     return d.actions

@@ -154,6 +154,10 @@ class SyncClient:
     pool = _Blocking()
     set_pool = _Blocking()
     patch_pool = _Blocking()
+    templates = _Blocking()
+    template = _Blocking()
+    put_template = _Blocking()
+    delete_template = _Blocking()
     prewarm = _Blocking()
 
     def __init__(self, url: str | None = None, token: str | None = None, **options: Any) -> None:

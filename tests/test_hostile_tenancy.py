@@ -35,6 +35,7 @@ from agent.report import node_report
 from controlplane.config import DEFAULT_MAX_LEASES, ClientQuota, ClientSpec
 from dsec.cli import build_parser
 from dsec.cli.up import up_spec
+from dsec.image import BASE_IMAGE
 from dsec.models import (
     Capacity,
     LeaseGrant,
@@ -85,7 +86,8 @@ def row(sandbox_id: str, state: SandboxState = SandboxState.WARM, **lease) -> Sa
 
 
 async def heartbeat(cp: InProcessControlPlane, *rows: SandboxRow, seq: int = 1) -> dict:
-    """A full report of NODE with its own node token: room for 20 sandboxes."""
+    """A full report of NODE with its own node token: room for 20 sandboxes, of the base
+    image."""
     body = NodeReport(
         node_id=NODE,
         kind="local",
@@ -96,6 +98,7 @@ async def heartbeat(cp: InProcessControlPlane, *rows: SandboxRow, seq: int = 1) 
         clock=time.monotonic(),
         seq=seq,
         sandboxes=SandboxTable.of(rows),
+        images=[BASE_IMAGE],
     ).model_dump(mode="json")
     headers = bearer(cp.identities.node_token(NODE))
     resp = await cp.http.put(f"/v1/agents/{NODE}", json=body, headers=headers)

@@ -172,15 +172,17 @@ def test_a_side_effect_that_has_ended_is_not_in_flight_before_its_callbacks_run(
     Harness(nodes=1, pools={"default": PoolParams(min_warm=1)}).run(scenario)
 
 
-def test_a_template_every_node_refuses_fails_at_once_with_the_reason():
+def test_a_template_whose_image_no_node_holds_fails_at_once_and_no_create_is_sent():
     async def scenario(h: Harness) -> None:
         started = h.now()
         with pytest.raises(ApiError) as refused:
             await h.acquire(template="ghost", timeout_s=600)
         assert refused.value.status == 422 and refused.value.code == "template_unavailable"
-        assert "docker_image_not_found" in refused.value.message
+        assert "no node holds image nowhere:latest" in refused.value.message
         assert h.now() - started < 5  # not at its timeout
-        assert h.metric("dsec_acquires_unplaced_total", code="template_refused") == 1
+        assert h.metric("dsec_acquires_unplaced_total", code="image_missing") == 1
+        # placement knows from the nodes' reports: no node was asked for a create of it
+        assert not [c for c in h.calls_of("create") if not c.result.ok]
         assert not h.on_agents()
 
     templates = {
@@ -319,10 +321,10 @@ def test_a_template_one_node_lacks_waits_for_room_on_the_node_that_has_it():
         assert {x.node for x in held} == {"node-2"}  # only it has the image
         waiting = asyncio.ensure_future(h.acquire(template="special", timeout_s=60))
         await h.settle(3)
-        # node-1 (room, no image) refused it, node-2 (the image, no room) has not: not final
+        # node-2 has the image and no room: the request waits (not final), and node-1
+        # (room, no image by its reports) is never sent a create
         assert not waiting.done()
-        refused = h.calls_of("create", node="node-1")
-        assert [c.result.code for c in refused] == ["docker_image_not_found"]
+        assert h.calls_of("create", node="node-1") == []
         assert h.metric("dsec_acquires_unplaced_total", code="template_refused") == 0
         assert h.metric("dsec_acquires_unplaced_total", code="no_room") >= 1
         await h.release(held[0])
