@@ -3,9 +3,12 @@ processes, real HTTP, real containers."""
 
 from __future__ import annotations
 
+import json
+
 import aiohttp
 import pytest
 from conftest import assert_stopped_then_removed, eventually
+from test_cli_sandbox import cli_env, dsec
 
 from agent.docker_driver import LABEL_SANDBOX
 from dsec.client import Client, DsecError
@@ -34,9 +37,7 @@ async def removed_soon(docker_client, sandbox_id: str) -> None:
 
 async def warm_ids(operator: Client, pool: str, template: str) -> set[str]:
     return {
-        s.id
-        for s in await operator.list(pool=pool)
-        if s.template == template and s.state == "warm"
+        s.id for s in await operator.list(pool=pool) if s.template == template and s.state == "warm"
     }
 
 
@@ -152,3 +153,26 @@ async def pool_http(pool, method: str, path: str, token: str, body=None) -> tupl
             method, pool.url + path, json=body, headers={"Authorization": f"Bearer {token}"}
         ) as resp:
             return resp.status, await resp.json()
+
+
+async def test_the_cli_adds_shows_lists_and_removes_a_template(pool):
+    env = cli_env(pool.url, pool.tokens.client, pool.tokens.admin)
+    code, out, err = await dsec(
+        "template", "add", "from-cli", "--image", BASE_IMAGE, "cpus=0.25",
+        'env={"A": "1"}', "--json", env=env,
+    )  # fmt: skip
+    assert code == 0, err
+    added = json.loads(out)
+    assert (added["spec"]["cpus"], added["spec"]["env"]) == (0.25, {"A": "1"})
+    code, out, err = await dsec("template", "list", "--json", env=env)
+    assert code == 0 and "from-cli" in {t["name"] for t in json.loads(out)}, err
+    code, out, err = await dsec("template", "show", "from-cli", env=env)
+    assert code == 0 and "template from-cli: kept warm by no pool" in out.decode(), err
+    code, _, err = await dsec("template", "add", "x", "--image", BASE_IMAGE, "colour=red", env=env)
+    assert code != 0 and "unknown template setting 'colour'" in err, err
+    code, _, err = await dsec("template", "add", "x", "--image", "nowhere:v1", env=env)
+    assert code != 0 and "nowhere:v1" in err, err
+    code, out, err = await dsec("template", "rm", "from-cli", env=env)
+    assert code == 0 and "template from-cli removed" in out.decode(), err
+    code, _, err = await dsec("template", "rm", "from-cli", env=env)
+    assert code != 0 and "no template named 'from-cli'" in err, err

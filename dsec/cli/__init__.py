@@ -5,8 +5,9 @@ services above the library (controlplane/, agent/, bench/); the rest of dsec/ im
 none of them. One module per topic: `up` (a local pool, LocalPool), `ray` (the pool
 on a Ray cluster, RayPool), `services`
 (controlplane, agent, status), `sandbox` (acquire, exec, shell, cp, release), `pool`
-(pool get, pool set), `node` (node drain, undrain), `plan`, `bench`; `common` holds what
-they share, `remote` what the commands that call a running pool share.
+(pool get, pool set), `template` (build, list, show, add, rm), `node` (node drain,
+undrain), `plan`, `bench`; `common` holds what they share, `remote` what the commands
+that call a running pool share.
 
 The topic modules are imported when the parser is built, not with the package: bench/
 starts pools with dsec.cli.up, and a package that imported bench/ on its way in would
@@ -42,6 +43,7 @@ TOPIC_OF = {
     "cp": "sandbox",
     "release": "sandbox",
     "pool": "pool",
+    "template": "template",
     "node": "node",
     "plan": "plan",
     "bench": "bench",
@@ -80,7 +82,15 @@ def _command_in(argv: list[str]) -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    args = build_parser(argv).parse_args(argv)
+    parser = build_parser(argv)
+    args, rest = parser.parse_known_args(argv)
+    if rest:
+        # argparse hands a positional that may be empty nothing once an option follows
+        # the one before it (`template add NAME --image REF key=value`): a command that
+        # takes key=value settings (`settings` in its defaults) gets them from the rest
+        if not hasattr(args, "settings") or any(a.startswith("-") or "=" not in a for a in rest):
+            parser.error(f"unrecognized arguments: {' '.join(rest)}")
+        args.settings += rest
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
     )

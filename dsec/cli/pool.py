@@ -6,21 +6,25 @@ from __future__ import annotations
 import argparse
 import json
 
+from pydantic import BaseModel
+
 from dsec.cli.common import UsageError, format_table
 from dsec.cli.remote import ADMIN_TOKENS, add_connection_args, run_remote
 from dsec.client import Client
 from dsec.models import PoolInfo, PoolParams
 
 
-def parse_assignment(text: str) -> tuple[str, object]:
-    """`key=value`, the value read as JSON when it is JSON (8, 0.5, true, ["base"]) and
-    as a string otherwise."""
+def parse_assignment(
+    text: str, fields: type[BaseModel] = PoolParams, what: str = "pool parameter"
+) -> tuple[str, object]:
+    """`key=value` naming one of `fields`' fields, the value read as JSON when it is JSON
+    (8, 0.5, true, ["base"]) and as a string otherwise."""
     key, sep, raw = text.partition("=")
     if not sep or not key:
         raise UsageError(f"expected key=value, got {text!r}")
-    if key not in PoolParams.model_fields:
-        known = ", ".join(PoolParams.model_fields)
-        raise UsageError(f"unknown pool parameter {key!r}; known: {known}")
+    if key not in fields.model_fields:
+        known = ", ".join(fields.model_fields)
+        raise UsageError(f"unknown {what} {key!r}; known: {known}")
     try:
         return key, json.loads(raw)
     except ValueError:
