@@ -1,17 +1,21 @@
 """`dsec template list | show NAME | add NAME --image REF [key=value...] | rm NAME`: the
-pool's templates, changed live (`/v1/templates`, admin for add and rm), and `dsec
-template build` (dsec/cli/template_build.py), which makes a template's image."""
+pool's templates, changed live (`/v1/templates`, admin for add and rm); and `dsec
+template build NAME (--debian SUITE --packages a,b [--pip x,y] | --dockerfile PATH |
+--image REF)`, which makes a template's image on this machine's engine
+(dsec/template_build.py)."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
+import sys
 
 from dsec.cli.common import format_table
 from dsec.cli.pool import parse_assignment
 from dsec.cli.remote import ADMIN_TOKENS, add_connection_args, run_remote
 from dsec.client import Client
-from dsec.models import TemplateFields, TemplateInfo
+from dsec.models import NAME_PATTERN, TemplateFields, TemplateInfo
 
 
 def _counts(info: TemplateInfo) -> str:
@@ -82,6 +86,33 @@ def cmd_template_rm(args: argparse.Namespace) -> int:
     return run_remote(args, remove, token_vars=ADMIN_TOKENS)
 
 
+def cmd_template_build(args: argparse.Namespace) -> int:
+    from dsec.template_build import TemplateBuildError, build_template
+
+    def words(text: str | None) -> list[str]:
+        return [w for w in (text or "").split(",") if w]
+
+    try:
+        built = build_template(
+            args.name,
+            debian=args.debian,
+            packages=words(args.packages),
+            pip=words(args.pip),
+            dockerfile=args.dockerfile,
+            image=args.image,
+        )
+    except TemplateBuildError as e:
+        print(f"dsec template build: {e}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(built.as_dict()))
+    else:
+        how = "cached" if built.cached else f"built in {built.seconds:.1f} s"
+        print(f"{built.image} ({built.tag_latest}), {built.size_mb:.0f} MB, {how}")
+        print(f"add it: dsec template add {args.name} --image {built.image}")
+    return 0
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     """Add `dsec template` and its verbs."""
     template = sub.add_parser("template", help="build, list, add, change and remove templates")
@@ -112,3 +143,23 @@ def register(sub: argparse._SubParsersAction) -> None:
         parser.add_argument("--json", action="store_true")
         add_connection_args(parser)
         parser.set_defaults(prog=parser.prog)
+    build = verbs.add_parser(
+        "build",
+        help="make a template's image on this machine's engine, tagged NAME:<content hash> "
+        "and NAME:latest (the same inputs: a cache hit)",
+    )
+    build.add_argument("name", type=_name)
+    source = build.add_mutually_exclusive_group(required=True)
+    source.add_argument("--debian", metavar="SUITE", help="a root file system from Debian")
+    source.add_argument("--dockerfile", metavar="PATH", help="built by the engine, no network")
+    source.add_argument("--image", metavar="REF", help="an image the engine has, as it is")
+    build.add_argument("--packages", metavar="a,b", help="Debian packages (with --debian)")
+    build.add_argument("--pip", metavar="x,y", help="pip packages from the host's index")
+    build.add_argument("--json", action="store_true")
+    build.set_defaults(run=cmd_template_build)
+
+
+def _name(text: str) -> str:
+    if not re.match(NAME_PATTERN, text):
+        raise argparse.ArgumentTypeError(f"not a template name (a-z, 0-9, -): {text!r}")
+    return text
