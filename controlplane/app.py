@@ -204,11 +204,16 @@ async def release(request: web.Request) -> web.Response:
     )
 
 
+def _name_param(request: web.Request, key: str, what: str) -> str:
+    """The path's `key`, a name as NAME_PATTERN has it, or 400 `invalid_<what>`."""
+    value = request.match_info[key]
+    if not re.match(NAME_PATTERN, value):
+        raise ApiError(400, f"invalid_{what.replace(' ', '_')}", f"not a {what}: {value!r}")
+    return value
+
+
 def _node_id_param(request: web.Request) -> str:
-    node_id = request.match_info["node_id"]
-    if not re.match(NAME_PATTERN, node_id):
-        raise ApiError(400, "invalid_node_id", f"not a node id: {node_id!r}")
-    return node_id
+    return _name_param(request, "node_id", "node id")
 
 
 async def agent_join(request: web.Request) -> web.Response:
@@ -331,9 +336,7 @@ async def list_pools(request: web.Request) -> web.Response:
 
 async def put_pool(request: web.Request) -> web.Response:
     s = _admin(request)
-    name = request.match_info["name"]
-    if not re.match(NAME_PATTERN, name):
-        raise ApiError(400, "invalid_pool_name", f"not a pool name: {name!r}")
+    name = _name_param(request, "name", "pool name")
     params = await read_model(request, PoolParams)
     s.set_pool(name, params)
     return model_response(_pool_info(s, name))
@@ -362,7 +365,7 @@ def _template_info(s: Scheduler, name: str) -> TemplateInfo:
     return TemplateInfo(
         name=name,
         spec=spec,
-        pools=sorted(p for p, params in s.config.pools.items() if name in params.templates),
+        pools=s.pools_keeping(name),
         nodes_with_image=s.nodes_with_image(spec.image),
         distributable=s.image_sent(spec.image),
         sandboxes=dict(states),
@@ -370,10 +373,7 @@ def _template_info(s: Scheduler, name: str) -> TemplateInfo:
 
 
 def _template_name(request: web.Request) -> str:
-    name = request.match_info["name"]
-    if not re.match(NAME_PATTERN, name):
-        raise ApiError(400, "invalid_template_name", f"not a template name: {name!r}")
-    return name
+    return _name_param(request, "name", "template name")
 
 
 async def list_templates(request: web.Request) -> web.Response:

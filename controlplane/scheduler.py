@@ -280,6 +280,10 @@ class Scheduler:
         """Whether `image` is being sent to the nodes that lack it."""
         return self.images is not None and self.images.available(image)
 
+    def pools_keeping(self, template: str) -> list[str]:
+        """The pools that keep `template` warm (their `templates` name it)."""
+        return sorted(p for p, params in self.config.pools.items() if template in params.templates)
+
     def nodes_with_image(self, image: str) -> list[str]:
         """The nodes whose last report says their engine holds `image`."""
         ref = normalise_image_ref(image)
@@ -290,10 +294,8 @@ class Scheduler:
         old one (policy rule 10), which it returns. An ApiError says why it cannot be:
         no node holds its image and none is being sent, or a pool recycles it and it
         does not allow that."""
-        healthy = [n for n in self.view.nodes.values() if n.healthy]
-        if not self.image_sent(spec.image) and not any(
-            normalise_image_ref(spec.image) in n.images for n in healthy
-        ):
+        holders = self.nodes_with_image(spec.image)
+        if not self.image_sent(spec.image) and not any(self.view.nodes[n].healthy for n in holders):
             raise ApiError(
                 422,
                 "image_not_found",
@@ -312,11 +314,12 @@ class Scheduler:
                 )
         old = self.config.templates.get(spec.name)
         self.config.templates[spec.name] = spec
-        retired = [] if old is None or old == spec else self.view.retire_template(spec.name)
+        changed = old is not None and old != spec
+        retired = self.view.retire_template(spec.name) if changed else []
         log.info(
             "template %s %s (image %s)%s",
             spec.name,
-            "added" if old is None else "kept as it was" if old == spec else "changed",
+            "added" if old is None else "changed" if changed else "kept as it was",
             spec.image,
             f": {len(retired)} sandboxes of the old one retire" if retired else "",
         )
@@ -329,8 +332,7 @@ class Scheduler:
         pool keeps it warm."""
         if name not in self.config.templates:
             raise ApiError(404, "unknown_template", f"no template named {name!r}")
-        users = sorted(p for p, params in self.config.pools.items() if name in params.templates)
-        if users:
+        if users := self.pools_keeping(name):
             raise ApiError(
                 409,
                 "template_in_use",

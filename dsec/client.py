@@ -776,9 +776,7 @@ class Client:
         return (await self._call("GET", f"{self.url}/v1/templates", TemplateList)).templates
 
     async def template(self, name: str) -> TemplateInfo:
-        return await self._call(
-            "GET", f"{self.url}/v1/templates/{quote(name, safe='')}", TemplateInfo
-        )
+        return await self._call("GET", self._template_url(name), TemplateInfo)
 
     async def put_template(
         self, name: str, spec: TemplateSpec | TemplateBody | dict[str, Any]

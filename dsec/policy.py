@@ -493,18 +493,16 @@ class _Decision:
         free, creating = self.free, self.creating  # in locals: this runs per sandbox per tick
         for sb in sorted(snapshot.sandboxes, key=attrgetter("since", "id")):
             state = sb.state
-            if state != S.LEASED and state != S.LEASED_PAUSED:
-                if sb.retired:
-                    # neither claimed nor waited for: a create under way is removed once
-                    # it is ready, and its request is served by the template as it is now
-                    if state in (S.WARM, S.PAUSED, S.HIBERNATED):
-                        self.retired.append(sb)
-                    continue
-                if draining and sb.node in draining:
-                    # the same on a draining node: its request is served elsewhere
-                    if state in (S.WARM, S.PAUSED, S.HIBERNATED):
-                        self.drained.append(sb)
-                    continue
+            if (
+                (sb.retired or (draining and sb.node in draining))
+                and state != S.LEASED
+                and state != S.LEASED_PAUSED
+            ):
+                # neither claimed nor waited for: a create under way is removed once it is
+                # ready, and its request is served elsewhere (by the template as it is now)
+                if state in (S.WARM, S.PAUSED, S.HIBERNATED):
+                    (self.retired if sb.retired else self.drained).append(sb)
+                continue
             # a sandbox created for a request is not kept for it: whatever is ready first
             # goes to the oldest waiter (reserved_for only tells whose create it was)
             if state == S.CREATING:
@@ -643,11 +641,10 @@ class _Decision:
             made: Create | Unplaceable = Unplaceable(
                 req.id, "template_removed", True, f"template {req.template!r} was removed"
             )
-            self.actions.append(made)
-            return made
-        made = self.placement.for_request(
-            req, template, params, ("request", req.id), "no free sandbox for a request"
-        )
+        else:
+            made = self.placement.for_request(
+                req, template, params, ("request", req.id), "no free sandbox for a request"
+            )
         self.actions.append(made)
         return made
 

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from dsec.addresses import check_advertise_url
 from dsec.models import validation_details
@@ -25,6 +26,17 @@ def format_table(headers: list[str], rows: list[list[object]]) -> str:
     cells = [headers] + [[str(c) for c in row] for row in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in cells)
+
+
+def settings_table(model: BaseModel, heading: str) -> str:
+    """A model's fields and their values (as JSON), one a row."""
+    rows = [[key, json.dumps(value)] for key, value in model.model_dump().items()]
+    return format_table([heading, "value"], rows)
+
+
+def state_counts(counts: dict[str, int]) -> str:
+    """Sandboxes by state, as a phrase: "2 leased, 3 warm" (or "none")."""
+    return ", ".join(f"{n} {state}" for state, n in sorted(counts.items())) or "none"
 
 
 def env_token(*names: str) -> str:

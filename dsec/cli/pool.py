@@ -8,7 +8,7 @@ import json
 
 from pydantic import BaseModel
 
-from dsec.cli.common import UsageError, format_table
+from dsec.cli.common import UsageError, settings_table, state_counts
 from dsec.cli.remote import ADMIN_TOKENS, add_connection_args, run_remote
 from dsec.client import Client
 from dsec.models import PoolInfo, PoolParams
@@ -35,9 +35,8 @@ def _show(info: PoolInfo, as_json: bool) -> None:
     if as_json:
         print(info.model_dump_json())
         return
-    rows = [[key, json.dumps(value)] for key, value in info.params.model_dump().items()]
-    print(format_table(["parameter", "value"], rows))
-    counts = ", ".join(f"{n} {state}" for state, n in sorted(info.sandboxes.items())) or "none"
+    print(settings_table(info.params, "parameter"))
+    counts = state_counts(info.sandboxes)
     print(f"\npool {info.name}: queue depth {info.queue_depth}; sandboxes: {counts}")
 
 

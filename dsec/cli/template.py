@@ -11,28 +11,23 @@ import json
 import re
 import sys
 
-from dsec.cli.common import format_table
+from dsec.cli.common import format_table, settings_table, state_counts
 from dsec.cli.pool import parse_assignment
 from dsec.cli.remote import ADMIN_TOKENS, add_connection_args, run_remote
 from dsec.client import Client
 from dsec.models import NAME_PATTERN, TemplateFields, TemplateInfo
 
 
-def _counts(info: TemplateInfo) -> str:
-    return ", ".join(f"{n} {state}" for state, n in sorted(info.sandboxes.items())) or "none"
-
-
 def _show(info: TemplateInfo, as_json: bool) -> None:
     if as_json:
         print(info.model_dump_json())
         return
-    rows = [[key, json.dumps(value)] for key, value in info.spec.model_dump().items()]
-    print(format_table(["setting", "value"], rows))
+    print(settings_table(info.spec, "setting"))
     nodes = ", ".join(info.nodes_with_image) or "none"
     sent = "; the control plane sends it to the others" if info.distributable else ""
     print(
         f"\ntemplate {info.name}: kept warm by {', '.join(info.pools) or 'no pool'}; "
-        f"image on {nodes}{sent}; sandboxes: {_counts(info)}"
+        f"image on {nodes}{sent}; sandboxes: {state_counts(info.sandboxes)}"
     )
 
 
@@ -43,7 +38,13 @@ def cmd_template_list(args: argparse.Namespace) -> int:
             print(json.dumps([i.model_dump(mode="json") for i in infos]))
             return 0
         rows = [
-            [i.name, i.spec.image, ",".join(i.pools) or "-", len(i.nodes_with_image), _counts(i)]
+            [
+                i.name,
+                i.spec.image,
+                ",".join(i.pools) or "-",
+                len(i.nodes_with_image),
+                state_counts(i.sandboxes),
+            ]
             for i in infos
         ]
         print(format_table(["template", "image", "pools", "nodes with image", "sandboxes"], rows))
