@@ -6,14 +6,13 @@ rollout (the Docker SDK) and against llm-sandbox, in the same run, rounds altern
                             [--image IMAGE] [--json]
 
 The template is Debian bookworm with python3, pytest, git and build-essential
-(`dsec.template_build.build_python_template()`, else `--image`, by default the
-development image `dsec-dev-python:latest`), 1 CPU and 512 MB per sandbox, no network,
-the same limits on all three sides. A step is `--groups` x `--k` rollouts, `--concurrency`
-at a time; each rollout: open (acquire, or create and start), upload its group's
-synthetic repository as a tar (`bench.rollout_repo`, ~5 MB; the K rollouts of a group
-share it), `--calls` tool calls (python scripts, pytest on the repo's suite, which must
-pass, grep -rn, cat, a write through a shell, ls), read back `result.json` (checked
-against what it must say), close. The sides:
+(`dsec.template_build.build_python_template()`, or `--image`), 1 CPU and 512 MB per
+sandbox, no network, the same limits on all three sides. A step is `--groups` x `--k`
+rollouts, `--concurrency` at a time; each rollout: open (acquire, or create and start),
+upload its group's synthetic repository as a tar (`bench.rollout_repo`, ~5 MB; the K
+rollouts of a group share it), `--calls` tool calls (python scripts, pytest on the repo's
+suite, which must pass, grep -rn, cat, a write through a shell, ls), read back
+`result.json` (checked against what it must say), close. The sides:
 - dsec: a local 3-node pool (`bench.burst`'s), the template `recyclable` and the pool's
   `recycle` on, its warm target (min_warm) the larger of the two concurrencies; files
   through the agent, commands through the sandbox's command loop where it has one;
@@ -94,16 +93,15 @@ from dsec.cli import format_table
 from dsec.cli.up import LocalPool
 from dsec.client import Client
 from dsec.models import PoolParams, TemplateSpec
+from dsec.template_build import build_python_template
 
 TEMPLATE = "python"
-DEV_IMAGE = "dsec-dev-python:latest"
 WORKDIR = "/work"
 REPO_DIR = f"{WORKDIR}/{ROOT}"
 USER = "1000:1000"  # the image's sandbox user, for the two baselines
 CPUS, MEMORY_MB = 1.0, 512
 # byte-compiled files would be written into the repo by the first rollout's imports
 PYTHON_ENV = {"PYTHONDONTWRITEBYTECODE": "1"}
-TEMPLATE_HAS_ENV = "env" in TemplateSpec.model_fields
 CALL_TIMEOUT_S = 120.0
 ACQUIRE_TIMEOUT_S = 120.0
 CORES = os.cpu_count() or 1
@@ -123,20 +121,13 @@ BASELINE_ERRORS = (*ENGINE_ERRORS, RuntimeError, OSError)
 
 
 def python_image(given: str | None) -> str:
-    """The template's image: `given`, else the project's built one, else DEV_IMAGE."""
-    if given:
-        return given
-    try:
-        from dsec.template_build import build_python_template
-    except ImportError:
-        return DEV_IMAGE
-    return build_python_template()
+    """The template's image: `given`, else the project's built one (a cache hit once built)."""
+    return given or build_python_template().image
 
 
 def python_template(image: str) -> TemplateSpec:
-    extra: dict[str, Any] = {"env": PYTHON_ENV} if TEMPLATE_HAS_ENV else {}
     return TemplateSpec(name=TEMPLATE, image=image, cpus=CPUS, memory_mb=MEMORY_MB,
-                        recyclable=True, **extra)  # fmt: skip
+                        recyclable=True, env=PYTHON_ENV)  # fmt: skip
 
 
 # --- the three sides ---------------------------------------------------------------
@@ -164,8 +155,7 @@ class DsecSession:
         await self.sb.files.write_tar(WORKDIR, repo.tar)
 
     async def run(self, call: ToolCall) -> tuple[int | None, bytes]:
-        env = None if TEMPLATE_HAS_ENV else PYTHON_ENV
-        out = await self.sb.exec(call.argv, timeout=CALL_TIMEOUT_S, env=env, workdir=REPO_DIR)
+        out = await self.sb.exec(call.argv, timeout=CALL_TIMEOUT_S, workdir=REPO_DIR)
         return out.exit_code, out.stdout_bytes
 
     async def read_result(self) -> bytes:
@@ -615,7 +605,6 @@ async def run(args: argparse.Namespace) -> dict:
             include={"templates", "recycle", "min_warm", "max_warm"}
         ),
         "template": spec_template.model_dump(include={"cpus", "memory_mb", "recyclable"}),
-        "template_env": TEMPLATE_HAS_ENV,
     }  # fmt: skip
     totals = {side: Step() for side in SIDES}
     churn_totals = {"dsec": Churn(), "llm-sandbox": Churn()}

@@ -6,10 +6,9 @@ import io
 import json
 import tarfile
 
-import pytest
 from conftest import pool_containers
 
-from bench.rollout import DEV_IMAGE, SIDES, main, python_image, render, targets
+from bench.rollout import SIDES, main, render, targets
 from bench.rollout_repo import (
     ToolCall,
     check_output,
@@ -109,16 +108,8 @@ def test_the_repo_is_deterministic_per_group_and_its_result_and_calls_are_checke
     assert check_output(pytest_call, 1, b"1 failed, 3 passed\n") is not None
 
 
-@pytest.fixture
-def python_image_present(docker_client) -> str:
-    image = python_image(None)
-    if image == DEV_IMAGE and not docker_client.images.list(name=DEV_IMAGE):
-        pytest.skip(f"no dsec.template_build yet, and no {DEV_IMAGE} (bench.rollout's docstring)")
-    return image
-
-
 def test_a_tiny_rollout_runs_every_episode_on_each_side_and_leaves_nothing(
-    docker_client, python_image_present, capsys
+    docker_client, capsys
 ):
     code = main(["--groups", "1", "--k", "2", "--concurrency", "2", "--rounds", "1",
                  "--churn-episodes", "2", "--churn-concurrency", "2", "--json"])  # fmt: skip
