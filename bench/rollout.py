@@ -93,7 +93,7 @@ from dsec.cli import format_table
 from dsec.cli.up import LocalPool
 from dsec.client import Client
 from dsec.models import PoolParams, TemplateSpec
-from dsec.template_build import build_python_template
+from dsec.template_build import PYTHON_TEMPLATE_ENV, build_python_template
 
 TEMPLATE = "python"
 WORKDIR = "/work"
@@ -101,7 +101,6 @@ REPO_DIR = f"{WORKDIR}/{ROOT}"
 USER = "1000:1000"  # the image's sandbox user, for the two baselines
 CPUS, MEMORY_MB = 1.0, 512
 # byte-compiled files would be written into the repo by the first rollout's imports
-PYTHON_ENV = {"PYTHONDONTWRITEBYTECODE": "1"}
 CALL_TIMEOUT_S = 120.0
 ACQUIRE_TIMEOUT_S = 120.0
 CORES = os.cpu_count() or 1
@@ -127,7 +126,7 @@ def python_image(given: str | None) -> str:
 
 def python_template(image: str) -> TemplateSpec:
     return TemplateSpec(name=TEMPLATE, image=image, cpus=CPUS, memory_mb=MEMORY_MB,
-                        recyclable=True, env=PYTHON_ENV)  # fmt: skip
+                        recyclable=True, env=PYTHON_TEMPLATE_ENV)  # fmt: skip
 
 
 # --- the three sides ---------------------------------------------------------------
@@ -197,7 +196,7 @@ class SdkSession(Threads):
             network_mode="none", nano_cpus=int(CPUS * 1e9), mem_limit=ram, memswap_limit=ram,
             pids_limit=256, init=True,
         )  # fmt: skip
-        env = [f"{k}={v}" for k, v in {"HOME": WORKDIR, **PYTHON_ENV}.items()]
+        env = [f"{k}={v}" for k, v in {"HOME": WORKDIR, **PYTHON_TEMPLATE_ENV}.items()]
         self.id = api.create_container(
             self.image, user=USER, working_dir=WORKDIR, environment=env,
             labels=labels(self.floor, "sdk"), host_config=host, network_disabled=True,
@@ -265,7 +264,7 @@ class LlmSandboxSession(Threads):
                 "labels": labels(floor, "llm-sandbox"), "network_mode": "none",
                 "network_disabled": True, "nano_cpus": int(CPUS * 1e9), "mem_limit": ram,
                 "memswap_limit": ram, "pids_limit": 256, "user": USER, "working_dir": WORKDIR,
-                "environment": {"HOME": WORKDIR, **PYTHON_ENV},
+                "environment": {"HOME": WORKDIR, **PYTHON_TEMPLATE_ENV},
                 # an init passes its stop's SIGTERM on: `sleep` as PID 1 ignores it, and
                 # each close would wait out the engine's 10 s before the kill
                 "init": True,

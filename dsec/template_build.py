@@ -48,8 +48,8 @@ SANDBOX_PASSWD = "sandbox:x:1000:1000:sandbox:/work:/bin/sh\n"
 SANDBOX_GROUP = "sandbox:x:1000:\n"
 TAIL_LINES = 15  # of a failing tool's output, in the error
 
-# The python template (`dsec up --with-python`): what SWE-style rollouts run, from
-# Debian's own packages.
+# The python template (`dsec up --with-python`, bench.rollout): what SWE-style rollouts
+# run, from Debian's own packages.
 PYTHON_TEMPLATE = {
     "debian": "bookworm",
     "packages": (
@@ -63,6 +63,11 @@ PYTHON_TEMPLATE = {
         "procps",
     ),
 }
+
+
+# on every command in a python sandbox: an edit of a Python file to one of the same size
+# within the same second would otherwise run the stale .pyc that an earlier import left
+PYTHON_TEMPLATE_ENV = {"PYTHONDONTWRITEBYTECODE": "1"}
 
 
 class TemplateBuildError(RuntimeError):

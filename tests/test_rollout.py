@@ -108,9 +108,7 @@ def test_the_repo_is_deterministic_per_group_and_its_result_and_calls_are_checke
     assert check_output(pytest_call, 1, b"1 failed, 3 passed\n") is not None
 
 
-def test_a_tiny_rollout_runs_every_episode_on_each_side_and_leaves_nothing(
-    docker_client, capsys
-):
+def test_a_tiny_rollout_runs_every_episode_on_each_side_and_leaves_nothing(docker_client, capsys):
     code = main(["--groups", "1", "--k", "2", "--concurrency", "2", "--rounds", "1",
                  "--churn-episodes", "2", "--churn-concurrency", "2", "--json"])  # fmt: skip
     r = json.loads(capsys.readouterr().out)

@@ -14,8 +14,12 @@ import uuid
 
 import docker
 import pytest
+from conftest import TEST_POOL_PREFIX, eventually, started_pool
 
 from agent.docker_driver import LABEL_NODE
+from dsec.cli import build_parser
+from dsec.cli.up import up_spec
+from dsec.client import Client
 from dsec.image import BASE_IMAGE, ensure_base_image
 from dsec.template_build import TemplateBuildError, build_template
 
@@ -44,6 +48,17 @@ def run_in(client: docker.DockerClient, image: str, script: str) -> str:
     return out.decode()
 
 
+@pytest.fixture
+def untag(docker_client):
+    """Removes, at the test's end, the tags of the names given: a build each run makes anew
+    (unlike `small`, kept as the machine's cache) leaves none behind."""
+    names: list[str] = []
+    yield names.append
+    for tag in {t for name in names for t in tags_of(docker_client, name)}:
+        if tag.partition(":")[0] in names:  # an image it shares keeps its other names
+            docker_client.images.remove(tag)
+
+
 @pytest.fixture(scope="module")
 def small(docker_client):
     return build_template("test-small", **SMALL, client=docker_client)
@@ -67,8 +82,9 @@ def test_the_same_inputs_are_a_cache_hit_with_the_same_tag(docker_client, small)
 
 
 def test_a_dockerfile_starts_from_a_built_template_and_its_content_is_its_tag(
-    docker_client, small, tmp_path
+    docker_client, small, tmp_path, untag
 ):
+    untag("test-df")
     dockerfile = tmp_path / "Dockerfile"
     dockerfile.write_text(f"FROM {small.image}\nCOPY hello.txt /hello.txt\n")
     run = uuid.uuid4().hex  # this run's content: a tag no earlier run made
@@ -82,7 +98,8 @@ def test_a_dockerfile_starts_from_a_built_template_and_its_content_is_its_tag(
     assert run_in(docker_client, "test-df:latest", "cat /hello.txt") == f"two {run}\n"
 
 
-def test_an_image_is_taken_as_it_is(docker_client):
+def test_an_image_is_taken_as_it_is(docker_client, untag):
+    untag("test-img")
     ensure_base_image(docker_client)
     taken = build_template("test-img", image=BASE_IMAGE, client=docker_client)
     assert docker_client.images.get(taken.image).id == docker_client.images.get(BASE_IMAGE).id
@@ -128,3 +145,43 @@ def test_the_cli_says_what_failed_and_exits_non_zero():
         text=True,
     )
     assert done.returncode == 2 and "one of the arguments" in done.stderr, done.stderr
+
+
+async def test_dsec_up_with_python_keeps_a_python_sandbox_warm_that_runs_real_code(
+    docker_client, tmp_path
+):
+    """`dsec up --with-python`: the python template built (a cache hit on a machine that
+    has built it), named in the summary, kept warm in pool "default" beside "base", its
+    env on every command, its toolchain there."""
+    argv = ["up", "--nodes", "1", "--port", "0", "--with-python", "--state-dir", str(tmp_path)]
+    spec = up_spec(build_parser(["up"]).parse_args(argv))
+    spec.name, spec.heartbeat_s = f"{TEST_POOL_PREFIX}{uuid.uuid4().hex[:8]}", 0.5
+    async with started_pool(spec, docker_client) as pool:
+        image = pool.summary()["templates"]["python"]
+        assert image.startswith("python:") and image != "python:latest"
+        async with Client(pool.url, token=pool.tokens.admin) as admin:
+            info = await admin.template("python")
+            assert info.pools == ["default"] and info.nodes_with_image == [pool.node_ids[0]]
+
+            async def warm() -> bool:
+                return (await admin.template("python")).sandboxes.get("warm", 0) > 0
+
+            await eventually(warm, "a warm python sandbox")
+        async with Client(pool.url, token=pool.tokens.client) as client:
+            async with client.sandbox(template="python") as sb:
+                result = await sb.exec(
+                    [
+                        "python3",
+                        "-c",
+                        "import os, pytest; print(os.environ['PYTHONDONTWRITEBYTECODE'])",
+                    ]
+                )
+                assert (result.exit_code, result.stdout) == (0, "1\n"), result.stderr
+                # the README's example
+                await sb.files.write(
+                    "/work/test_add.py", b"def test_add():\n    assert 1 + 1 == 2\n"
+                )
+                tested = await sb.exec(["python3", "-m", "pytest", "-q"])
+                assert tested.exit_code == 0 and "1 passed" in tested.stdout, tested.stdout
+                toolchain = await sb.exec(["sh", "-c", "git --version && gcc --version && make -v"])
+                assert toolchain.exit_code == 0, toolchain.stderr

@@ -41,6 +41,7 @@ from dsec.processes import (
     stop_process,
 )
 from dsec.statedir import private_dir, write_private
+from dsec.template_build import PYTHON_TEMPLATE_ENV, TemplateBuildError, build_python_template
 from dsec.tls import TlsFiles, client_ssl, make_local_pool_tls
 from dsec.tokens import new_token
 
@@ -87,6 +88,9 @@ class LocalPoolSpec:
     more_pools: dict[str, PoolParams] = field(default_factory=dict)
     clients: list[ClientSpec] = field(default_factory=list)
     default_quota: ClientQuota = field(default_factory=ClientQuota)
+    # `--with-python`: build the python template (a cache hit once built) and keep it warm
+    # in pool "default" beside "base"
+    python_template: bool = False
 
 
 Spec = TypeVar("Spec", bound=LocalPoolSpec)
@@ -347,6 +351,20 @@ class LocalPool:
                 "`dockerd --bridge=none --iptables=false &`"
             ) from e
         ensure_base_image(client)
+        if self.spec.python_template:
+            self._add_python_template(client)
+
+    def _add_python_template(self, client: docker.DockerClient) -> None:
+        try:
+            built = build_python_template(client)
+        except TemplateBuildError as e:
+            raise LocalPoolError(f"the python template: {e}") from e
+        self.spec.templates["python"] = TemplateSpec(
+            name="python", image=built.image, recyclable=True, env=PYTHON_TEMPLATE_ENV
+        )
+        warm = self.spec.pool.templates
+        if "python" not in warm:
+            self.spec.pool = self.spec.pool.model_copy(update={"templates": [*warm, "python"]})
 
     async def _spawn(self, name: str, args: list[str], credentials: dict[str, str]) -> Child:
         proc = await asyncio.create_subprocess_exec(
@@ -402,6 +420,7 @@ class LocalPool:
             "ca": str(self.ca) if self.ca else None,  # None: plain HTTP
             "nodes": [{"node_id": a.name, "url": a.url} for a in self.agents],
             "cloud_nodes": self.spec.cloud_nodes,  # at most, started on overflow
+            "templates": {name: t.image for name, t in self.spec.templates.items()},
         }
 
     async def restart_agent(self, child: Child) -> Child:
@@ -493,6 +512,7 @@ def pool_fields(args: argparse.Namespace) -> dict:
         state_dir=args.state_dir,
         metrics_token=not args.open_metrics,
         cloud_nodes=args.cloud_nodes,
+        python_template=args.with_python,
     )
 
 
@@ -506,6 +526,9 @@ def run_pool(pool: LocalPool, as_json: bool, prog: str) -> int:
 
     async def main() -> int:
         stop = stop_on_signals()
+        if pool.spec.python_template:
+            print(f"{prog}: the python template: a build the first time (about a minute), "
+                  "a cache hit after", file=sys.stderr)  # fmt: skip
         try:
             async with pool:
                 summary = pool.summary()
@@ -543,6 +566,8 @@ def _print_summary(summary: dict) -> None:
     print(format_table(["node", "url"], [[n["node_id"], n["url"]] for n in summary["nodes"]]))
     if summary["cloud_nodes"]:
         print(f"cloud nodes    up to {summary['cloud_nodes']}, started when local passes 80%")
+    templates = ", ".join(f"{name} ({image})" for name, image in summary["templates"].items())
+    print(f"templates      {templates}")
     print(f"metrics        {summary['metrics']}")
     print(f"prometheus sd  {summary['service_discovery']}")
     if summary["metrics_token_file"]:
@@ -601,5 +626,11 @@ def pool_flags(parser: argparse.ArgumentParser, name: str, cloud_help: str) -> N
         action="store_true",
         help="/metrics and discovery open to anyone who can connect, unless "
         "$DSEC_METRICS_TOKEN is set",
+    )
+    parser.add_argument(
+        "--with-python",
+        action="store_true",
+        help="build (about a minute the first time, then a cache hit) and add a template "
+        "'python': python3, pytest, pip, venv, git, build-essential, from Debian's packages",
     )
     parser.add_argument("--json", action="store_true", help="print where things are as JSON")
