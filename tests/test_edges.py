@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.metadata
 import json
 import logging
 import os
@@ -42,7 +43,7 @@ from controlplane.cloud import CloudConfig, LocalCloudProvider
 from controlplane.identities import Identities
 from controlplane.spent import KeyLog
 from dsec.cli import build_parser, main
-from dsec.cli.up import Tokens, write_env_file
+from dsec.cli.up import LocalPool, Tokens, write_env_file
 from dsec.client import Client
 from dsec.image import BASE_IMAGE
 from dsec.models import PoolParams, TemplateSpec
@@ -216,6 +217,25 @@ def test_the_commands_take_the_metrics_options(monkeypatch):
     monkeypatch.setenv("DSEC_AGENT_TOKEN", new_token())
     monkeypatch.delenv("DSEC_METRICS_TOKEN", raising=False)
     assert main(["agent", "--node-id", "n1", "--metrics-token-required"]) == 2
+
+
+def test_dsec_version_prints_the_installed_version(capsys):
+    with pytest.raises(SystemExit) as ended:
+        main(["--version"])
+    assert ended.value.code == 0
+    assert capsys.readouterr().out == f"dsec {importlib.metadata.version('dsec')}\n"
+
+
+async def test_a_pool_whose_engine_has_gone_stops_with_a_line_not_a_traceback(
+    tmp_path, monkeypatch
+):
+    """Ctrl-C that also stopped the engine (as `./run` once let it): the stop's sweep says
+    in one line what it could not do, and raises nothing."""
+    monkeypatch.setenv("DOCKER_HOST", f"unix://{tmp_path}/no-engine.sock")
+    pool = LocalPool(make_spec(tmp_path))
+    assert await pool.stop() == 0
+    [failure] = pool.sweep_failures
+    assert failure.startswith("the Docker engine did not answer") and "not removed" in failure
 
 
 # --- the state directory --------------------------------------------------------------

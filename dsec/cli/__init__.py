@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.metadata
 import logging
 import os
 import sys
@@ -53,6 +54,7 @@ TOPIC_OF = {
 def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     """The parser of every command; of `argv`'s command alone where it names one."""
     parser = argparse.ArgumentParser(prog="dsec", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"dsec {_version()}")
     _add_own_options(parser)
     command = _command_in(argv) if argv is not None else None
     topics = [TOPIC_OF[command]] if command in TOPIC_OF else list(dict.fromkeys(TOPIC_OF.values()))
@@ -60,6 +62,14 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     for topic in topics:
         importlib.import_module(f"dsec.cli.{topic}").register(sub)
     return parser
+
+
+def _version() -> str:
+    """The installed distribution's version; a source tree that was never installed has none."""
+    try:
+        return importlib.metadata.version("dsec")
+    except importlib.metadata.PackageNotFoundError:
+        return "(not installed)"
 
 
 def _add_own_options(parser: argparse.ArgumentParser) -> None:

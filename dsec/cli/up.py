@@ -169,6 +169,9 @@ class LocalPool:
         self.cloud_prefix = f"{spec.name}-cloud"
         self.cloud_node_ids = [f"{self.cloud_prefix}-{i}" for i in range(1, spec.cloud_nodes + 1)]
         self.swept = 0  # leftover containers the last stop() removed
+        # what the last stop() could not remove, and why, in one line each: a sweep whose
+        # engine had gone, a container the engine would not remove
+        self.sweep_failures: list[str] = []
         self.identities: Identities | None = None  # every node's credentials, once started
         self.tls: TlsFiles | None = None  # with spec.tls, once started
         self.registered: list[dict] = []  # GET /v1/nodes once the start was done
@@ -458,14 +461,27 @@ class LocalPool:
                 await child.drain
 
     def _sweep_containers(self) -> int:
-        client = docker.from_env()
+        self.sweep_failures = []
+        try:
+            client = docker.from_env()
+            # sparse: no inspect per container, which races with removals under way
+            found = client.containers.list(all=True, sparse=True, filters={"label": LABEL_NODE})
+        except docker.errors.DockerException as e:
+            self.sweep_failures.append(
+                f"the Docker engine did not answer ({e}): this pool's containers, if any are "
+                f"left, were not removed (`docker ps -a --filter label={LABEL_NODE}`)"
+            )
+            return 0
         removed = 0
-        # sparse: no inspect per container, which races with removals under way
-        for c in client.containers.list(all=True, sparse=True, filters={"label": LABEL_NODE}):
+        for c in found:
             if self.owns_node((c.attrs.get("Labels") or {}).get(LABEL_NODE, "")):
-                with contextlib.suppress(docker.errors.NotFound):
+                try:
                     c.remove(force=True)
                     removed += 1
+                except docker.errors.NotFound:
+                    pass  # its agent removed it meanwhile
+                except docker.errors.DockerException as e:
+                    self.sweep_failures.append(f"container {c.id[:12]} not removed: {e}")
         return removed
 
     def owns_node(self, node_id: str) -> bool:
@@ -541,7 +557,9 @@ def run_pool(pool: LocalPool, as_json: bool, prog: str) -> int:
             print(f"{prog}: {e}", file=sys.stderr)
             return 1
         print(f"{prog}: {why}; stopped (swept {pool.swept} leftover containers)", file=sys.stderr)
-        return 0 if why == "stopped" else 1
+        for failure in pool.sweep_failures:
+            print(f"{prog}: {failure}", file=sys.stderr)
+        return 0 if why == "stopped" and not pool.sweep_failures else 1
 
     return asyncio.run(main())
 
