@@ -25,8 +25,7 @@ from bench.generate import (
 from bench.importers import import_azure_llm, import_csv
 from dsec.trace import TraceError, dump_trace, load_trace, scale_trace
 
-# shared/ lies beside the checkout, here and in CI
-AZURE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "azure-llm-2023"
+AZURE = Path(__file__).resolve().parents[1] / "traces" / "azure-llm-2023"
 AZURE_CODE = AZURE / "AzureLLMInferenceTrace_code.csv"
 AZURE_CONV = AZURE / "AzureLLMInferenceTrace_conv.csv"
 
