@@ -53,6 +53,7 @@ from dsec.cli.up import LocalPoolSpec
 from dsec.client import Client, DsecError, Sandbox
 from dsec.image import BASE_IMAGE
 from dsec.models import Capacity, PoolParams, TemplateSpec
+from dsec.processes import interrupt_on_termination
 
 NODES = 3
 # Per node: 100 slots; 64 CPUs and 64 GiB hold 128 and 113 base sandboxes (0.5 CPU and
@@ -491,4 +492,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    interrupt_on_termination()  # the pool it starts is stopped on SIGTERM, SIGHUP
     sys.exit(main())

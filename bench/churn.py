@@ -52,6 +52,7 @@ from bench.stats import summary_ms
 from dsec.cli import format_table
 from dsec.client import Client, DsecError
 from dsec.models import PoolParams
+from dsec.processes import interrupt_on_termination
 
 CMD = ["sh", "-c", "echo hi"]
 EXPECT = "hi\n"
@@ -276,4 +277,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    interrupt_on_termination()  # the pool it starts is stopped on SIGTERM, SIGHUP
     sys.exit(main())

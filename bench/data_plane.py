@@ -87,6 +87,7 @@ from bench.stats import latency_summary, summary_ms
 from dsec.cli import format_table
 from dsec.client import Client, Sandbox
 from dsec.models import PoolParams
+from dsec.processes import interrupt_on_termination
 
 POOL = "data-plane"
 # Set explicitly (the brief's default), so one sandbox holds the noisy tenant's 40.
@@ -1067,4 +1068,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    interrupt_on_termination()  # the pool it starts is stopped on SIGTERM, SIGHUP
     sys.exit(main())

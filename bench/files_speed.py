@@ -25,6 +25,7 @@ from bench.data_plane import POOL, AgentPath, acquire_all
 from bench.soak import Teardown, bench_spec, local_pool
 from dsec.client import Client
 from dsec.models import PoolParams
+from dsec.processes import interrupt_on_termination
 
 
 async def measure(mib: int, reps: int) -> dict:
@@ -76,4 +77,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    interrupt_on_termination()  # the pool it starts is stopped on SIGTERM, SIGHUP
     sys.exit(main())

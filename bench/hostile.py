@@ -47,6 +47,7 @@ from controlplane.config import ClientSpec, default_templates
 from dsec.cli import format_table
 from dsec.client import Client, Sandbox
 from dsec.models import MAX_OUTPUT_BYTES, PoolParams
+from dsec.processes import interrupt_on_termination
 from dsec.tokens import new_token
 
 MiB = 1 << 20
@@ -408,4 +409,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    interrupt_on_termination()  # the pool it starts is stopped on SIGTERM, SIGHUP
     sys.exit(main())

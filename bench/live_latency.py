@@ -29,6 +29,7 @@ from bench.stats import summary_ms
 from dsec.cli.up import LocalPool, LocalPoolSpec
 from dsec.client import Client
 from dsec.models import Capacity, PoolParams
+from dsec.processes import interrupt_on_termination
 
 WARM_BATCH = 20
 
@@ -159,4 +160,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    interrupt_on_termination()  # the pool it starts is stopped on SIGTERM, SIGHUP
     sys.exit(main())

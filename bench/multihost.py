@@ -48,7 +48,14 @@ from controlplane.identities import LOOPBACK_AGENT_URLS, Identities, load_or_mak
 from dsec.client import Client, DsecError
 from dsec.image import ensure_base_image
 from dsec.models import Capacity, PoolParams
-from dsec.processes import agent_args, child_env, dsec_argv, node_credentials, stop_process
+from dsec.processes import (
+    agent_args,
+    child_env,
+    dsec_argv,
+    interrupt_on_termination,
+    node_credentials,
+    stop_process,
+)
 from dsec.statedir import private_dir, write_private
 from dsec.tls import TlsFiles, client_ssl, make_local_pool_tls
 from dsec.tokens import new_token
@@ -527,4 +534,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    interrupt_on_termination()  # the pool it starts is stopped on SIGTERM, SIGHUP
     sys.exit(main())

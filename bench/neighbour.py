@@ -34,6 +34,7 @@ from controlplane.config import default_templates
 from dsec.cli import format_table
 from dsec.client import Client, Sandbox
 from dsec.models import PoolParams
+from dsec.processes import interrupt_on_termination
 
 SETTLE_S = 1.0  # after the burners start, before sampling: they are all running by then
 
@@ -198,4 +199,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    interrupt_on_termination()  # the pool it starts is stopped on SIGTERM, SIGHUP
     sys.exit(main())

@@ -44,6 +44,7 @@ from dsec.cli import format_table
 from dsec.cli.up import LocalPool, LocalPoolSpec
 from dsec.client import Client
 from dsec.models import Capacity, PoolParams
+from dsec.processes import interrupt_on_termination
 
 ACQUIRE_TIMEOUT_S = 120.0
 GONE_TIMEOUT_S = 180.0
@@ -267,4 +268,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    interrupt_on_termination()  # the pool it starts is stopped on SIGTERM, SIGHUP
     raise SystemExit(main())

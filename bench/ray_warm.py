@@ -31,6 +31,7 @@ from dsec.cli import format_table
 from dsec.cli.up import LocalPool, LocalPoolSpec
 from dsec.client import Client
 from dsec.models import Capacity, PoolParams
+from dsec.processes import interrupt_on_termination
 
 TARGET_RATIO = 1.1
 NODES = 2
@@ -132,4 +133,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    interrupt_on_termination()  # the pool it starts is stopped on SIGTERM, SIGHUP
     sys.exit(main())

@@ -93,6 +93,7 @@ from dsec.cli import format_table
 from dsec.cli.up import LocalPool
 from dsec.client import Client
 from dsec.models import PoolParams, TemplateSpec
+from dsec.processes import interrupt_on_termination
 from dsec.template_build import PYTHON_TEMPLATE_ENV, build_python_template
 
 TEMPLATE = "python"
@@ -135,6 +136,10 @@ def python_template(image: str) -> TemplateSpec:
 class Session(Protocol):
     """One rollout's sandbox, however it is made."""
 
+    # how its open got a sandbox: the pool's schedule path (warm, thaw, cold, overflow),
+    # or "create" for a side that makes a container per rollout
+    opened_by: str
+
     async def open(self) -> None: ...
     async def upload(self, repo: Repo) -> None: ...
     async def run(self, call: ToolCall) -> tuple[int | None, bytes]: ...
@@ -146,9 +151,11 @@ class DsecSession:
     def __init__(self, client: Client, pool: str) -> None:
         self.client, self.pool = client, pool
         self.sb: Any = None
+        self.opened_by = ""
 
     async def open(self) -> None:
         self.sb = await self.client.acquire(self.pool, TEMPLATE, timeout=ACQUIRE_TIMEOUT_S)
+        self.opened_by = self.sb.lease.path
 
     async def upload(self, repo: Repo) -> None:
         await self.sb.files.write_tar(WORKDIR, repo.tar)
@@ -172,7 +179,10 @@ def labels(floor: EngineFloor, side: str) -> dict[str, str]:
 
 
 class Threads:
-    """A blocking side's calls, run on threads of its own (one per concurrent rollout)."""
+    """A blocking side's calls, run on threads of its own (one per concurrent rollout);
+    a container of its own per rollout."""
+
+    opened_by = "create"
 
     def __init__(self, pool: ThreadPoolExecutor) -> None:
         self.pool = pool
@@ -392,6 +402,7 @@ class Step:
     episodes: int = 0
     wall_s: float = 0.0
     open_s: list[float] = field(default_factory=list)
+    open_s_by_path: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
     upload_s: list[float] = field(default_factory=list)
     read_s: list[float] = field(default_factory=list)
     close_s: list[float] = field(default_factory=list)
@@ -407,6 +418,8 @@ class Step:
             getattr(self, name).extend(getattr(other, name))
         for kind, values in other.calls.items():
             self.calls[kind].extend(values)
+        for path, values in other.open_s_by_path.items():
+            self.open_s_by_path[path].extend(values)
         self.cpu_s = None if self.cpu_s is None or other.cpu_s is None else self.cpu_s + other.cpu_s
 
 
@@ -425,6 +438,7 @@ async def rollout(
     session = make()
     try:
         await timed(step.open_s, session.open())
+        step.open_s_by_path[session.opened_by].append(step.open_s[-1])
     except (*CALL_ERRORS, *BASELINE_ERRORS) as e:
         step.failures.append(f"episode {i}: open: {type(e).__name__}: {e}")
         return
@@ -478,6 +492,7 @@ def step_figures(s: Step) -> dict:
         "wall_s": round(s.wall_s, 2),
         "episodes_per_hour": round(s.episodes * 3600 / s.wall_s, 1) if s.wall_s else None,
         "open_ms": summary_ms(s.open_s),
+        "open_ms_by_path": {k: summary_ms(v) for k, v in sorted(s.open_s_by_path.items())},
         "upload_ms": summary_ms(s.upload_s),
         "tool_call_ms": summary_ms(every),
         "tool_call_ms_by_kind": {k: summary_ms(v) for k, v in sorted(s.calls.items())},
@@ -756,6 +771,10 @@ def render(r: dict) -> str:
     per_round = [[i + 1, *(rd[s]["episodes_per_hour"] for s in SIDES)]
                  for i, rd in enumerate(r["by_round"])]  # fmt: skip
     lines += [format_table(["round", *(f"{s} episodes/h" for s in SIDES)], per_round), ""]
+    opens = r["sides"]["dsec"]["open_ms_by_path"].items()
+    lines.append("dsec opens by path: " + "; ".join(
+        f"{path} {o['n']} (p50 {o['p50']}, p99 {o['p99']}, max {o['max']} ms)" for path, o in opens
+    ))  # fmt: skip
     lines.append(f"dsec rollouts: {r['tool_calls_dsec']} tool calls; the agents' engine calls "
                  f"meanwhile {r['engine_ops_dsec_rollout']}")  # fmt: skip
     if "churn" in r:
@@ -819,4 +838,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    interrupt_on_termination()  # the pool it starts is stopped on SIGTERM, SIGHUP
     sys.exit(main())

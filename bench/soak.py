@@ -75,6 +75,7 @@ from dsec.cli import format_table
 from dsec.cli.up import LocalPool, LocalPoolError, LocalPoolSpec
 from dsec.client import Client, DsecError, Sandbox
 from dsec.models import Capacity, PoolParams
+from dsec.processes import interrupt_on_termination
 from dsec.tokens import new_token
 
 # Socket pools (the Docker SDK's towards the engine, aiohttp's between the control plane
@@ -975,4 +976,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    interrupt_on_termination()  # the pool it starts is stopped on SIGTERM, SIGHUP
     sys.exit(main())

@@ -26,6 +26,7 @@ from bench.engine_floor import ENGINE_ERRORS, EngineFloor
 from bench.sim.profile import Profile
 from bench.stats import summary_ms
 from bench.tune import busiest_slice
+from dsec.processes import interrupt_on_termination
 from dsec.trace import Episode, TraceError, load_trace
 
 
@@ -92,4 +93,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    interrupt_on_termination()  # the pool it starts is stopped on SIGTERM, SIGHUP
     sys.exit(main())

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import logging
+import signal
 from pathlib import Path
 from typing import Annotated, Literal, Protocol
 
@@ -20,7 +21,14 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_val
 
 from controlplane.identities import Identities
 from dsec.models import Capacity, Name
-from dsec.processes import agent_args, child_env, dsec_argv, node_credentials, stop_process
+from dsec.processes import (
+    agent_args,
+    child_env,
+    dsec_argv,
+    node_credentials,
+    signalled_at_parent_death,
+    stop_process,
+)
 from dsec.tls import TlsFiles
 
 log = logging.getLogger(__name__)
@@ -171,6 +179,9 @@ class LocalCloudProvider:
                     node_credentials(self.identities.node_token(node_id), self.metrics_token)
                 ),
                 start_new_session=True,
+                # ended with the control plane that started it, however it ends: it
+                # removes its sandboxes on SIGTERM
+                preexec_fn=signalled_at_parent_death(signal.SIGTERM),
             )
             log.info("cloud node %s started", node_id)
         except BaseException:

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import json
 import logging
 import os
@@ -53,7 +52,13 @@ from controlplane.cloud import RayConfig  # noqa: E402
 from controlplane.identities import Identities  # noqa: E402
 from dsec.httpkit import cancel_and_wait  # noqa: E402
 from dsec.models import NodeKind  # noqa: E402
-from dsec.processes import agent_args, child_env, dsec_argv, node_credentials  # noqa: E402
+from dsec.processes import (  # noqa: E402
+    agent_args,
+    child_env,
+    dsec_argv,
+    node_credentials,
+    signalled_at_parent_death,
+)
 from dsec.statedir import write_private  # noqa: E402
 from dsec.tls import TlsFiles  # noqa: E402
 
@@ -62,21 +67,11 @@ log = logging.getLogger(__name__)
 AGENT_READY_TIMEOUT_S = 60.0
 AGENT_STOP_GRACE_S = 60.0
 RETRY_FAILED_S = 10.0  # an agent that could not start (its engine down, say) is tried again
-PR_SET_PDEATHSIG = 1
 
 
 def ray_node_id(ray_id: str, prefix: str) -> str:
     """The dsec node id of a Ray node: the same on every restart of its agent."""
     return f"{prefix}-{ray_id[-12:]}"
-
-
-_prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up before any fork
-
-
-def _die_with_parent() -> None:
-    """In the agent's process before it runs: SIGKILL when the actor's process dies. Its
-    sandboxes stay, for the agent Ray restarts to adopt; a node that leaves takes them."""
-    _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 @ray.remote(num_cpus=0)
@@ -105,7 +100,9 @@ class NodeAgent:
             dsec_argv(*args),
             stdout=subprocess.PIPE,
             env=child_env(self.credentials),  # its node token: none of the control plane's
-            preexec_fn=_die_with_parent,
+            # killed when the actor's process dies: its sandboxes stay, for the agent Ray
+            # restarts to adopt; a node that leaves takes them
+            preexec_fn=signalled_at_parent_death(signal.SIGKILL),
         )
         listening = threading.Event()
         threading.Thread(target=self._follow, args=(self.proc, listening), daemon=True).start()

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import os
 import signal
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -18,6 +19,31 @@ if TYPE_CHECKING:
     from dsec.tls import TlsFiles
 
 STOP_GRACE_S = 60.0
+PR_SET_PDEATHSIG = 1
+_prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up before any fork
+
+
+def signalled_at_parent_death(sig: signal.Signals) -> Callable[[], None]:
+    """A `preexec_fn` for a child: `sig` when the process starting it dies, however it
+    dies (SIGKILL included), so a launcher's services never outlive it (Linux's
+    PR_SET_PDEATHSIG, armed for the thread that forks: start children from the thread
+    that lives as long as they should). A launcher gone before it is armed: `sig` at once."""
+    parent = os.getpid()
+
+    def arm() -> None:
+        _prctl(PR_SET_PDEATHSIG, sig)
+        if os.getppid() != parent:
+            os.kill(os.getpid(), sig)
+
+    return arm
+
+
+def interrupt_on_termination() -> None:
+    """SIGTERM and SIGHUP as Ctrl-C (KeyboardInterrupt): a command that started a pool
+    stops it on the way out, as on Ctrl-C, when a supervisor, a `timeout` or a closed
+    terminal ends it, instead of dying and leaving its services and sandboxes behind."""
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.default_int_handler)
 
 
 async def stop_process(proc: asyncio.subprocess.Process, grace_s: float = STOP_GRACE_S) -> None:

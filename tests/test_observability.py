@@ -377,6 +377,16 @@ async def test_every_dashboard_query_returns_data(load, prometheus):
     assert not failures, "dashboard queries without data:\n" + "\n".join(failures)
 
 
+async def test_the_queue_wait_share_reads_0_where_nothing_waited_or_was_held(load, prometheus):
+    """A window too short for any rate (one scrape): no acquire waited in it, so the share
+    is 0 for every pool, not a panel with no data (its two sides matched no series)."""
+    [expr] = [expr for title, expr in dashboard_queries() if title == "Queue-wait share"]
+    quiet = as_prometheus_query(expr.replace("$__rate_interval", "1s"))
+    result = await prometheus.query(quiet)
+    assert {s["metric"]["pool"] for s in result} >= {"default"}, quiet
+    assert [float(s["value"][1]) for s in result] == [0.0] * len(result), result
+
+
 async def test_the_pool_variable_lists_the_pools(load, prometheus):
     dashboard = json.loads(DASHBOARD.read_text())
     (variable,) = [v for v in dashboard["templating"]["list"] if v["name"] == "pool"]

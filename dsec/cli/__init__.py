@@ -27,6 +27,7 @@ import os
 import sys
 
 from dsec.cli.common import UsageError, format_table
+from dsec.processes import interrupt_on_termination
 
 __all__ = ["UsageError", "build_parser", "format_table", "main"]
 
@@ -104,6 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
     )
+    interrupt_on_termination()  # a pool this command starts is stopped on SIGTERM, SIGHUP
     try:
         return args.run(args)
     except UsageError as e:

@@ -15,6 +15,7 @@ import contextlib
 import json
 import os
 import shlex
+import signal
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,6 +39,7 @@ from dsec.processes import (
     child_env,
     dsec_argv,
     node_credentials,
+    signalled_at_parent_death,
     stop_process,
 )
 from dsec.statedir import private_dir, write_private
@@ -375,6 +377,9 @@ class LocalPool:
             stdout=asyncio.subprocess.PIPE,
             env=child_env(credentials),  # its own credentials, none of the others'
             start_new_session=True,  # Ctrl-C reaches us alone; we stop the children in order
+            # and if we die without stopping them (SIGKILL), they stop themselves: an agent
+            # removes its sandboxes on SIGTERM
+            preexec_fn=signalled_at_parent_death(signal.SIGTERM),
         )  # fmt: skip
         child = Child(name, args, proc, credentials=credentials)
         assert proc.stdout is not None
