@@ -292,18 +292,33 @@ def busiest_sim(spec: LocalPoolSpec, *, time_scale: float, profile, trace_name: 
 
 
 class Runner:
-    """Runs simulations of one workload, `jobs` at a time (in worker processes past one)."""
+    """Runs simulations of one workload, `jobs` at a time (in worker processes past one),
+    and says on stderr how far it is, one line per simulation: a search of a long trace
+    runs for many minutes, and the only output otherwise comes at its end."""
 
-    def __init__(self, workload: Workload, jobs: int) -> None:
+    def __init__(self, workload: Workload, jobs: int, expected: int) -> None:
         self.runs = 0
+        self.expected = expected  # simulations the tune will run, at most
+        self.started = time.perf_counter()
         self.pool = ProcessPoolExecutor(jobs, initializer=_init_worker,
                                         initargs=(workload,)) if jobs > 1 else None  # fmt: skip
         if self.pool is None:
             _init_worker(workload)
 
     def __call__(self, jobs: Sequence[tuple[str, dict, int]]) -> list[dict]:
-        self.runs += len(jobs)
-        return list(self.pool.map(_run, jobs) if self.pool else map(_run, jobs))
+        rows = []
+        for row in self.pool.map(_run, jobs) if self.pool else map(_run, jobs):
+            rows.append(row)
+            self.runs += 1
+            self._progress()
+        return rows
+
+    def _progress(self) -> None:
+        took_s = time.perf_counter() - self.started
+        left_s = took_s / self.runs * max(self.expected - self.runs, 0)
+        print(f"dsec bench tune: simulation {self.runs} of at most {self.expected}, "
+              f"{took_s:.0f} s so far, at most about {left_s:.0f} s to go",
+              file=sys.stderr, flush=True)  # fmt: skip
 
     def close(self) -> None:
         if self.pool is not None:
@@ -566,7 +581,8 @@ def tune(args: argparse.Namespace, episodes: list[Episode], profile, target: dic
         live_spec(args), time_scale=args.time_scale, profile=profile, trace_name=str(args.trace)
     ))  # fmt: skip
     seeds = list(range(args.seed, args.seed + args.seeds))
-    runner = Runner(workload, args.jobs)
+    others = ["defaults", *sorted(p for p in POLICIES if p != "dsec")]
+    runner = Runner(workload, args.jobs, args.budget + CONFIRMED * (len(seeds) - 1) + len(others))
     try:
         search = Search(space, target, args.budget, args.seed, runner)
         search.search()
@@ -574,7 +590,6 @@ def tune(args: argparse.Namespace, episodes: list[Episode], profile, target: dic
         confirmed = confirm(search, seeds)
         peak = int(summarize(episodes)["peak_concurrency"])
         capacity = args.nodes * args.slots_per_node
-        others = ["defaults", *sorted(p for p in POLICIES if p != "dsec")]
         jobs = [("dsec", PoolParams().model_dump(), args.seed)] + [
             (p, policy_params(p, peak=peak, capacity=capacity).model_dump(), args.seed)
             for p in others[1:]
@@ -761,6 +776,8 @@ def run_tune(args: argparse.Namespace) -> int:
         from dsec.cli.up import LocalPoolError
 
         spec = live_spec(args, result["params"])
+        print(f"dsec bench tune: the live check: the busiest {args.live_s:g} s of the trace on "
+              "a local pool with the winner's parameters", file=sys.stderr, flush=True)  # fmt: skip
         try:
             with held(args.docker_lock), tempfile.TemporaryDirectory() as state_dir:
                 spec.state_dir = Path(state_dir)

@@ -174,6 +174,12 @@ def test_tune_finds_the_cheapest_setting_meeting_the_target_and_compares_it(
     assert (out / "pareto.png").read_bytes().startswith(b"\x89PNG")
     report = (out / "tune.md").read_text()
     assert result["pool_set"] in report and "| static |" in report
+    # a line on stderr per simulation, while it runs: how far, and about how long to go
+    ran = result["simulation"]["runs"]
+    progress = [line for line in err.splitlines() if " simulation " in line]
+    assert len(progress) == ran
+    expected = 12 + 3 * (2 - 1) + len(BASELINES) + 1  # budget, confirmations, comparisons
+    assert progress[-1].startswith(f"dsec bench tune: simulation {ran} of at most {expected}, ")
 
 
 def test_calibrate_measures_the_profile_first_and_the_search_uses_it(
