@@ -170,7 +170,7 @@ async def exec_in_sandbox(request: web.Request) -> web.StreamResponse:
 
 
 async def exec_stream(request: web.Request) -> web.StreamResponse:
-    """A command over a WebSocket (the protocol is in the README): output as it comes,
+    """A command over a WebSocket (the protocol is in docs/contracts.md): output as it comes,
     stdin, a terminal. What can be refused is refused before the upgrade, as HTTP."""
     agent = _agent(request)
     sandbox_id, token = sandbox_id_param(request), bearer_token(request)
@@ -433,7 +433,7 @@ def agent_api() -> Api:
         "/v1/sandboxes/{sandbox_id}/exec/stream",
         exec_stream,
         summary="run a command over a WebSocket: output as it comes, stdin, a terminal "
-        "(lease token; protocol in the README)",
+        "(lease token; protocol in docs/contracts.md)",
     )
     api.route(
         "PUT",

@@ -29,7 +29,7 @@ what a command's status says. A sandbox whose user is root or a name, or a node
 without a static busybox, gets no loop: its commands take the engine's exec. What a
 command's own processes are, while they run, is the sandbox user's as under an engine
 exec: anything else of that user's running beside them can reach them as the kernel
-lets one process of a user reach another (README, "The node's data plane").
+lets one process of a user reach another (docs/contracts.md, "The node's data plane").
 
 The mount is read-only, so nothing in the sandbox can create, replace or remove an
 entry there (no symlink for the agent to follow, no file to fill the host's disk).

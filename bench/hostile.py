@@ -12,7 +12,7 @@ One node, so every sandbox and every flood share its agent. In that order:
   output at once, spread over FLOOD_TENANTS tenants (a client token and a sandbox
   each): one-shot NULs as base64 (the SDK), one-shot NULs and text asked as utf-8 (raw
   HTTP), and streams of NULs read as fast as they come, each ended by its timeout.
-  Target: peak past idle <= RSS_PAST_IDLE_MAX_MB, the bound the README documents
+  Target: peak past idle <= RSS_PAST_IDLE_MAX_MB, the bound docs/benchmarks.md documents
   (the output budget, 128 MiB by default, and what each command reads ahead of it);
 - neighbour: a quiet client runs `true` in its own sandbox one exec after another:
   quiet, then while one tenant floods output (streams and one-shots, in a process of

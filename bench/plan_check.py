@@ -3,7 +3,7 @@
 The plan's arithmetic (dsec/plan.py) sizes nodes from Little's law. This module plays
 that load through the control plane's own scheduler and policy in virtual time
 (bench/sim) and reports, per node count simulated, the p99 schedule latency and the
-queue-wait share against DESIGN.md's targets (p99 < 500 ms, queue wait < 10%); then it
+queue-wait share against the targets (docs/benchmarks.md) (p99 < 500 ms, queue wait < 10%); then it
 searches for the smallest node count that meets both.
 
 The load. Arrivals are Poisson at the plan's rate: the effective rate R with
@@ -46,7 +46,7 @@ held when the run ends. The trace is the same for every node count (same seed), 
 counts differ only in the nodes.
 
 Version lag. Each run also tallies the version lag of the measured requests that got a
-sandbox (appendix A1 of seed 000): weights are released every iteration period L from
+sandbox (appendix A1 of DSec's capacity study): weights are released every iteration period L from
 time zero, and a trajectory that starts (acquires) at t and holds its sandbox for its
 lifetime W has lag floor((t + W) / L) - floor(t / L). Groups are runs of --group-size
 consecutive measured arrivals, over the cap when their longest member is. The tallies
@@ -64,9 +64,10 @@ it meets the targets, fewer are tried (1, 2, 4, ... below) until one misses; if 
 more (1, 2, 4, ... above) until one meets them; then bisection between the closest
 miss and meet. At most --max-runs simulations: when they run out, the result says so.
 
-`python -m bench.plan_check [--case NAME ...] [--json]` checks seed 000's cases (SEED_CASES)
-in turn, each as `dsec plan <its flags> --simulate` would, and prints one row per case:
-the arithmetic's node count and the simulation's, and the version lag against the plan's.
+`python -m bench.plan_check [--case NAME ...] [--json]` checks the capacity study's cases
+(SEED_CASES) in turn, each as `dsec plan <its flags> --simulate` would, and prints one row
+per case: the arithmetic's node count and the simulation's, and the version lag against
+the plan's.
 """
 
 from __future__ import annotations
@@ -577,7 +578,7 @@ def _assumptions(
         "so each node is as full as planned; node counts are not scaled; a scaled run sees "
         "relatively larger swings in flight (stricter than full size)",
         "time not compressed; Docker operation times from the simulator's default profile "
-        f"(DESIGN.md medians); ticks at least {MIN_TICK_GAP_S:g} s apart",
+        f"(docs/benchmarks.md medians); ticks at least {MIN_TICK_GAP_S:g} s apart",
         f"starts in steady state: the Little's-law population acquires over the first "
         f"{settings.warmup_s / 2:g} s, planned arrivals from then on; measured: arrivals in "
         f"[{settings.warmup_s:g} s, {settings.warmup_s + settings.window_s:g} s); a request "
@@ -668,7 +669,7 @@ def render_check(check: SimCheck) -> str:
 
 @dataclass(frozen=True)
 class SeedCase:
-    """One of seed 000's cases: the plan's inputs (PlanInput fields, as `dsec plan` flags)
+    """One of the capacity study's cases: the plan's inputs (PlanInput fields, as `dsec plan` flags)
     and the load (--load) its nodes are checked at. Lifetimes are the p50/p99 fit, which
     the simulation draws from (the seed rounds the fit's mean to 1,900 s for its figures)."""
 
@@ -715,7 +716,7 @@ SEED_CASES: tuple[SeedCase, ...] = (
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Check seed 000's cases in the simulator; 1 if a case's version lag disagrees with
+    """Check the capacity study's cases in the simulator; 1 if a case's version lag disagrees with
     its arithmetic or no node count met the targets, 2 on an unknown case."""
     names = [case.name for case in SEED_CASES]
     parser = argparse.ArgumentParser(prog="python -m bench.plan_check", description=main.__doc__)

@@ -1,7 +1,7 @@
 """Reports of a replay: ``report.json``, ``report.md`` and PNG plots, and comparisons of
 several reports (one per policy) in one table and one latency plot.
 
-``report.json`` holds the fields DESIGN.md names: ``schedule_latency_ms`` (p50, p95, p99,
+``report.json`` holds the fields docs/benchmarks.md names: ``schedule_latency_ms`` (p50, p95, p99,
 max and the same ``by_path``), ``utilisation``, ``queue_wait_share``, ``episodes_per_hour``
 (completed episodes per hour of the trace's arrivals, in trace time),
 ``sandbox_seconds`` (local, cloud), ``scale_events``, what the run was (``trace``,

@@ -603,7 +603,7 @@ async def run(args: argparse.Namespace) -> dict:
         docker.from_env().images.get(image)
     except ImageNotFound:
         raise RuntimeError(
-            f"image {image} is not on this engine (build it: README, bench.rollout)"
+            f"image {image} is not on this engine (build it with dsec template build)"
         ) from None
     calls = tool_calls()[: args.calls]
     repos = [make_repo(g, args.repo_mb) for g in range(args.groups)]

@@ -1,4 +1,4 @@
-"""The control plane's HTTP API (DESIGN.md, 'Contracts') and its app factory.
+"""The control plane's HTTP API (docs/contracts.md, 'HTTP') and its app factory.
 
 It only decides: acquire and release are answered here, but commands and files go
 straight to the agent named in the acquire answer.

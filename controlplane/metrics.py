@@ -1,4 +1,4 @@
-"""The control plane's Prometheus metrics (names and labels as in DESIGN.md).
+"""The control plane's Prometheus metrics (names and labels as in docs/contracts.md).
 
 Counters and histograms are updated as things happen; gauges that describe the
 view (queue depth, sandboxes by state, node utilisation, heartbeat age) are read

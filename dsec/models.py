@@ -211,7 +211,7 @@ MAX_STREAM_OUTPUT_BYTES = 1 << 40
 
 
 class ExecStreamRequest(ExecRequest):
-    """The first message of a streaming exec (WebSocket, see the README): the command,
+    """The first message of a streaming exec (WebSocket, see docs/contracts.md): the command,
     and whether stdin stays open and a terminal is wanted."""
 
     max_output_bytes: int = Field(
@@ -317,7 +317,7 @@ class TemplateSpec(TemplateFields):
 
 
 class PoolParams(Wire):
-    """A pool's elastic-policy parameters (DESIGN.md, 'The elastic policy')."""
+    """A pool's elastic-policy parameters (docs/policy.md, 'Pool parameters')."""
 
     priority: int = Field(
         0, ge=-1000, le=1000, description="served before lower pools; may take their idle sandboxes"

@@ -1,6 +1,6 @@
 """Capacity planner: from a training budget to trajectories/s, GPU throughput and nodes.
 
-The arithmetic follows seed 000 (sizing a sandbox pool for one RL training run), its
+The arithmetic follows DSec's capacity study (sizing a sandbox pool for one RL training run), its
 sections 2 to 5 and appendices A1 and A2: the effective trajectory rate comes from the
 deadline (n·B/T), from the iteration cadence (B/L, which a faster cadence raises while
 leaving slack in the deadline), or from what the inference GPUs produce; the inference
@@ -42,7 +42,7 @@ SECONDS_PER_DAY = 86_400.0
 SEED_LIFETIME_P50_S = 1_044.0
 SEED_LIFETIME_P99_S = 13_900.0
 # DSec's container densities: the sample day's single-node peak and its demonstrated
-# operating point (seed 000, section 3).
+# operating point (the study, section 3).
 SEED_DENSITIES = (1_048, 3_200)
 # The seed's throughput scan points: below, near and above the threshold (section 2),
 # and appendix A2's far end.
@@ -83,7 +83,7 @@ def _lognormal_call(mu: float, sigma: float, strike: float) -> float:
 
 
 def lag_over_cap_share(mu: float, sigma: float, cadence_s: float, cap: int) -> float:
-    """Share of trajectories whose version lag exceeds cap (seed 000, appendix A1).
+    """Share of trajectories whose version lag exceeds cap (the study, appendix A1).
 
     Weights are released every cadence_s and a trajectory of duration W starts at a
     uniformly random phase, so its lag is floor(W / L + U) with U ~ Uniform(0, 1):
@@ -309,7 +309,7 @@ def plan(inp: PlanInput) -> PlanResult:
     gpus_needed = whole(output_tokens_per_s / (x * a * p))
     gpu_gap = max(0, gpus_needed - g)
     # GPUs moved from training to close the gap; the update time scales inversely with
-    # the training GPUs left (seed 000, section 4).
+    # the training GPUs left (the study, section 4).
     training_left = inp.training_gpus - gpu_gap if gpu_gap < inp.training_gpus else None
 
     # --- sandboxes ---

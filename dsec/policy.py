@@ -5,7 +5,7 @@ to do as plain data, each action with its reason. It does no I/O and reads no
 clock: the control plane applies the actions through the agents, and the simulator
 applies the same actions in virtual time.
 
-One decision, in order (DSec's defaults, seed 004 section 4.2):
+One decision, in order (DSec's defaults; docs/policy.md):
 1. Serve the queue, highest pool priority, then request priority, then arrival
    first. A request takes, in order of preference: the sandbox created for it, a
    warm sandbox, a paused one (thaw), a hibernated one (restore), an idle or frozen

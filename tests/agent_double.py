@@ -1,9 +1,10 @@
 """A stand-in for one agent's data plane, for SDK and CLI tests that need no Docker.
 
-It serves the contract the SDK speaks to an agent (README, "Exec and files"): one-shot
-exec with base64 output, the streaming exec WebSocket, and the file routes, for one
-sandbox whose /work and /tmp are directories under a temporary root and whose commands
-are processes on this machine (run in that /work; tests give them no absolute paths).
+It serves the contract the SDK speaks to an agent (docs/contracts.md, "The node's data
+plane"): one-shot exec with base64 output, the streaming exec WebSocket, and the file
+routes, for one sandbox whose /work and /tmp are directories under a temporary root and
+whose commands are processes on this machine (run in that /work; tests give them no
+absolute paths).
 `double_pool` puts it behind a control plane in this process (tests/inprocess.py) that
 holds a lease on its sandbox, so `client.lease(id)` and the CLI find it.
 

@@ -39,11 +39,11 @@ pytestmark = pytest.mark.asyncio(loop_scope="module")
 REPO = Path(__file__).resolve().parent.parent
 DASHBOARD = REPO / "deploy" / "grafana" / "dashboards" / "dsec.json"
 PROMETHEUS_CONFIG = REPO / "deploy" / "prometheus.yml"
-DESIGN = REPO.parent / "shared" / "DESIGN.md"
+CONTRACTS = REPO / "docs" / "contracts.md"
 PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"
 
-# DESIGN.md, "Prometheus metric names": the dashboard and operators depend on these.
-DESIGN_METRICS: dict[str, tuple[str, frozenset[str]]] = {
+# docs/contracts.md, "Prometheus metric names": the dashboard and operators depend on these.
+CONTRACT_METRICS: dict[str, tuple[str, frozenset[str]]] = {
     "dsec_schedule_latency_seconds": ("histogram", frozenset({"pool", "path"})),
     "dsec_queue_depth": ("gauge", frozenset({"pool"})),
     "dsec_sandboxes": ("gauge", frozenset({"node", "pool", "state"})),
@@ -320,7 +320,7 @@ async def test_the_dashboard_covers_what_operators_asked_for():
     queries = dashboard_queries()
     assert len(queries) >= 20
     exprs = " ".join(expr for _, expr in queries)
-    for metric in DESIGN_METRICS:
+    for metric in CONTRACT_METRICS:
         assert metric in exprs, f"no panel shows {metric}"
     for quantile in ("0.5", "0.95", "0.99"):
         assert f"histogram_quantile({quantile}, sum by (path, le)" in exprs
@@ -398,11 +398,9 @@ async def test_the_pool_variable_lists_the_pools(load, prometheus):
 # --- the metrics -------------------------------------------------------------------------
 
 
-async def test_the_design_table_is_the_one_tested_here():
-    if not DESIGN.exists():
-        pytest.skip(f"{DESIGN} is not beside this checkout")
+async def test_the_contracts_table_is_the_one_tested_here():
     table = {}
-    for line in DESIGN.read_text().splitlines():
+    for line in CONTRACTS.read_text().splitlines():
         if not line.startswith("| `dsec_"):
             continue
         names, kind, labels = (cell.strip() for cell in line.strip().strip("|").split("|"))
@@ -411,13 +409,13 @@ async def test_the_design_table_is_the_one_tested_here():
         )
         for name in re.findall(r"`(\w+)`", names):
             table[name] = (kind, label_names)
-    assert table == DESIGN_METRICS
+    assert table == CONTRACT_METRICS
 
 
 async def test_design_metrics_exist_with_exactly_their_labels(load, prometheus):
     metadata = await prometheus.api("metadata")
     problems = []
-    for name, (kind, labels) in DESIGN_METRICS.items():
+    for name, (kind, labels) in CONTRACT_METRICS.items():
         family = name.removesuffix("_total")
         declared = [m["type"] for m in metadata.get(name, metadata.get(family, []))]
         if kind not in declared:

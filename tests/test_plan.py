@@ -1,4 +1,4 @@
-"""The capacity planner against the hand calculation of seed 000, and its check in the
+"""The capacity planner against the hand calculation of DSec's capacity study, and its check in the
 simulator (`dsec plan --simulate`)."""
 
 import argparse
@@ -61,7 +61,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-# --- seed 000, figure by figure ---
+# --- the capacity study, figure by figure ---
 # Each row: the seed's section, the quantity, the seed's words, the plan's inputs, the
 # figure, the seed's value and the decimal places the seed rounds it to (negative: tens,
 # hundreds, ...; 1.61万 is 16,100 to the hundred). The seed fits its lognormal to p50
@@ -274,7 +274,7 @@ def test_seed_rounding_is_half_away_from_zero_at_any_place():
     assert seed_rounded(4_096_000, -4) == 4_100_000
 
 
-# --- seed 000's claims without a single figure ---
+# --- the capacity study's claims without a single figure ---
 
 
 def test_60_tokens_per_s_falls_short_75_barely_meets_and_200_leaves_room(base_case):

@@ -149,7 +149,7 @@ def test_schedule_latency_quantiles_overall_and_by_path():
         2000,
         2000,
     )
-    assert list(latency["by_path"]) == ["warm", "cold"]  # DESIGN.md's order of paths
+    assert list(latency["by_path"]) == ["warm", "cold"]  # docs/contracts.md's order of paths
     assert latency["by_path"]["warm"] == {"n": 2, "p50": 5.0, "p95": 20.0, "p99": 20.0, "max": 20.0}
     assert latency["by_path"]["cold"]["p50"] == 2000.0
 

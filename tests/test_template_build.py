@@ -177,7 +177,7 @@ async def test_dsec_up_with_python_keeps_a_python_sandbox_warm_that_runs_real_co
                     ]
                 )
                 assert (result.exit_code, result.stdout) == (0, "1\n"), result.stderr
-                # the README's example
+                # the README's example (Real code: templates)
                 await sb.files.write(
                     "/work/test_add.py", b"def test_add():\n    assert 1 + 1 == 2\n"
                 )

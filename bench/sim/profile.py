@@ -3,7 +3,7 @@
 A profile holds measured samples per operation (seconds); the simulator draws from
 them with its seeded random generator (a bootstrap: the measured distribution,
 tails included). `dsec bench calibrate` measures a live engine and saves one; the
-default is built from DESIGN.md's figures for a 2-core machine.
+default is built from the figures in docs/benchmarks.md for a 2-core machine.
 
 Operations share the machine's cores with whatever else its engine is doing, so a
 calibrated profile also holds samples taken under load: `under_load[op][k]` was
@@ -26,7 +26,7 @@ from pathlib import Path
 
 OPS = ("create", "remove", "pause", "unpause", "commit", "exec", "lease", "restore")
 
-# Medians from DESIGN.md ("Numbers to design for"); lease is the agent's HTTP call with
+# Medians from docs/benchmarks.md ("The numbers to design for"); lease is the agent's HTTP call with
 # its on-disk record, restore a create plus unpacking the work dir.
 DEFAULT_MEDIANS_S = {
     "create": 0.170,
@@ -114,7 +114,7 @@ class Profile:
             op: [rng.lognormvariate(math.log(median), DEFAULT_SPREAD) for _ in range(n)]
             for op, median in DEFAULT_MEDIANS_S.items()
         }
-        return cls(samples, source="default: DESIGN.md medians, lognormal sigma 0.3")
+        return cls(samples, source="default: docs/benchmarks.md medians, lognormal sigma 0.3")
 
     def save(self, path: Path) -> None:
         path.write_text(json.dumps({

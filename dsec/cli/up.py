@@ -635,7 +635,7 @@ def pool_flags(parser: argparse.ArgumentParser, name: str, cloud_help: str) -> N
     parser.add_argument(
         "--config",
         type=Path,
-        help="a JSON file of pools, templates and client quotas (README: client quotas)",
+        help="a JSON file of pools, templates and client quotas (docs/operations.md)",
     )
     metrics = parser.add_mutually_exclusive_group()
     metrics.add_argument(
