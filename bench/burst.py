@@ -48,12 +48,12 @@ from prometheus_client.parser import text_string_to_metric_families
 from bench.engine_floor import BURST_THREADS, EngineFloor
 from bench.soak import Teardown, drain, local_pool, run_to_report
 from bench.stats import summary_ms
-from dsec.cli import format_table
-from dsec.cli.up import LocalPoolSpec
 from dsec.client import Client, DsecError, Sandbox
 from dsec.image import BASE_IMAGE
+from dsec.launch.local import LocalPoolSpec
 from dsec.models import Capacity, PoolParams, TemplateSpec
 from dsec.processes import interrupt_on_termination
+from dsec.tables import format_table
 
 NODES = 3
 # Per node: 100 slots; 64 CPUs and 64 GiB hold 128 and 113 base sandboxes (0.5 CPU and

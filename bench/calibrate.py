@@ -55,9 +55,9 @@ from bench.blocking_docker import BlockingDocker
 from bench.live_latency import _wait_warm
 from bench.replay_live import DEFAULT_NODES
 from bench.sim.profile import OPS, Profile
-from dsec.cli.up import LocalPool, LocalPoolError, LocalPoolSpec
 from dsec.client import Client, DsecError, Sandbox
 from dsec.image import BASE_IMAGE, ensure_base_image
+from dsec.launch.local import LocalPool, LocalPoolError, LocalPoolSpec
 from dsec.models import Capacity, PoolParams, TemplateSpec
 
 CONCURRENCY = (2, 4, 8)  # creates and removes timed this many at a time, besides one at a time

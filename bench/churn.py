@@ -49,10 +49,10 @@ from bench.burst import (
 from bench.engine_floor import EngineFloor
 from bench.soak import Teardown, drain, local_pool, run_to_report
 from bench.stats import summary_ms
-from dsec.cli import format_table
 from dsec.client import Client, DsecError
 from dsec.models import PoolParams
 from dsec.processes import interrupt_on_termination
+from dsec.tables import format_table
 
 CMD = ["sh", "-c", "echo hi"]
 EXPECT = "hi\n"

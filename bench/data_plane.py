@@ -84,10 +84,10 @@ from aiodocker.containers import DockerContainer
 from agent.docker_driver import LABEL_SANDBOX
 from bench.soak import Teardown, bench_spec, local_pool, run_to_report
 from bench.stats import latency_summary, summary_ms
-from dsec.cli import format_table
 from dsec.client import Client, Sandbox
 from dsec.models import PoolParams
 from dsec.processes import interrupt_on_termination
+from dsec.tables import format_table
 
 POOL = "data-plane"
 # Set explicitly (the brief's default), so one sandbox holds the noisy tenant's 40.

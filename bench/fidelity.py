@@ -36,7 +36,8 @@ from bench.runargs import add_run_arguments, load_run, measure_profile
 from bench.sim import simulate
 from bench.sim.profile import Profile
 from bench.stats import quantile
-from dsec.cli.up import LocalPoolSpec
+from dsec.launch.local import LocalPoolSpec
+from dsec.progress import progress_bar
 from dsec.trace import TraceError
 
 FIGURES = ("p50_ms", "p95_ms", "utilisation")
@@ -65,29 +66,33 @@ def figures_of(report: dict) -> dict:
 
 def fidelity(episodes, spec: LocalPoolSpec, *, time_scale: float, seed: int,
              profile: Profile | None, trace_name: str, out: Path,
-             sim_seeds: int = 1) -> dict:  # fmt: skip
+             sim_seeds: int = 1, progress: bool = False) -> dict:  # fmt: skip
     """Replay `episodes` live on a local pool started from `spec`, then simulate the
-    pool `spec` describes (its policy, nodes, slots, pool parameters and tick)."""
+    pool `spec` describes (its policy, nodes, slots, pool parameters and tick), with
+    progress bars on stderr for the episodes and the seeds if `progress`."""
     live = asyncio.run(
         replay_live(episodes, pool_spec=spec, time_scale=time_scale, policy=spec.policy,
-                    trace=trace_name, seed=seed, progress=False)
+                    trace=trace_name, seed=seed, progress=progress)
     )  # fmt: skip
-    sims = [
-        simulate(
-            episodes,
-            policy=spec.policy,
-            nodes=spec.nodes,
-            slots_per_node=spec.capacity.slots,
-            seed=s,
-            time_scale=time_scale,
-            params=spec.pool,
-            profile=profile,
-            shared_engine=True,
-            tick_s=spec.tick_s,
-            trace_name=trace_name,
-        )
-        for s in range(seed, seed + sim_seeds)
-    ]
+    sims = []
+    with progress_bar(sim_seeds, "dsec bench fidelity: simulations", "sim", shown=progress) as bar:
+        for s in range(seed, seed + sim_seeds):
+            sims.append(
+                simulate(
+                    episodes,
+                    policy=spec.policy,
+                    nodes=spec.nodes,
+                    slots_per_node=spec.capacity.slots,
+                    seed=s,
+                    time_scale=time_scale,
+                    params=spec.pool,
+                    profile=profile,
+                    shared_engine=True,
+                    tick_s=spec.tick_s,
+                    trace_name=trace_name,
+                )
+            )
+            bar.update(1)
     for side, run in (("live", live), ("sim", sims[0])):
         write_report(run, out / side)
         write_records(run, out / side / RECORDS_FILE)
@@ -138,7 +143,7 @@ def run_fidelity(args: argparse.Namespace) -> int:
         spec = default_pool_spec(args.policy, nodes=args.nodes, slots_per_node=args.slots_per_node)
         result = fidelity(
             episodes, spec, time_scale=args.time_scale, seed=args.seed, profile=profile,
-            trace_name=str(args.trace), out=args.out, sim_seeds=args.sim_seeds,
+            trace_name=str(args.trace), out=args.out, sim_seeds=args.sim_seeds, progress=True,
         )  # fmt: skip
     except (*CALIBRATE_ERRORS, ReplayError) as e:
         print(f"dsec bench fidelity: {type(e).__name__}: {e}", file=sys.stderr)

@@ -44,10 +44,10 @@ from agent.config import AgentConfig
 from bench.soak import Teardown, bench_spec, local_pool, run_to_report, sample_process
 from bench.stats import SUMMARY_COLUMNS, summary_ms, summary_rows
 from controlplane.config import ClientSpec, default_templates
-from dsec.cli import format_table
 from dsec.client import Client, Sandbox
 from dsec.models import MAX_OUTPUT_BYTES, PoolParams
 from dsec.processes import interrupt_on_termination
+from dsec.tables import format_table
 from dsec.tokens import new_token
 
 MiB = 1 << 20

@@ -26,8 +26,8 @@ from pathlib import Path
 import docker
 
 from bench.stats import summary_ms
-from dsec.cli.up import LocalPool, LocalPoolSpec
 from dsec.client import Client
+from dsec.launch.local import LocalPool, LocalPoolSpec
 from dsec.models import Capacity, PoolParams
 from dsec.processes import interrupt_on_termination
 

@@ -31,10 +31,10 @@ from agent.docker_driver import LABEL_SANDBOX
 from bench.soak import Teardown, bench_spec, cpu_ns, local_pool, run_to_report
 from bench.stats import SUMMARY_COLUMNS, summary_ms, summary_rows
 from controlplane.config import default_templates
-from dsec.cli import format_table
 from dsec.client import Client, Sandbox
 from dsec.models import PoolParams
 from dsec.processes import interrupt_on_termination
+from dsec.tables import format_table
 
 SETTLE_S = 1.0  # after the burners start, before sampling: they are all running by then
 

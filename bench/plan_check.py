@@ -426,11 +426,14 @@ def scaled_load(in_flight: float, density: int, sim_scale: float | None) -> tupl
 
 
 def check_plan(
-    result: PlanResult, settings: SimulateSettings, on_run: Callable[[str], None] | None = None
+    result: PlanResult,
+    settings: SimulateSettings,
+    on_run: Callable[[str], None] | None = None,
+    progress: bool = False,
 ) -> SimCheck:
     """Simulate the plan's load at its node count and search for the count that meets the
     targets; ValueError if the settings cannot make a meaningful run. `on_run` hears one
-    line per simulation."""
+    line per simulation; with `progress`, each draws a bar of its simulated time."""
     raw = settings.load == "raw"
     rate = result.raw_trajectories_per_s if raw else result.trajectories_per_s
     planned = result.nodes_mean_raw if raw else result.nodes_mean
@@ -463,7 +466,7 @@ def check_plan(
             params = PoolParams(min_warm=size, max_warm=size)
         simulated = simulate(trace, policy=settings.policy, nodes=nodes, slots_per_node=slots,
                              seed=settings.seed, params=params, min_tick_gap_s=MIN_TICK_GAP_S,
-                             trace_name="dsec plan --simulate")  # fmt: skip
+                             trace_name="dsec plan --simulate", progress=progress)  # fmt: skip
         run = runs[nodes] = measure(simulated, nodes, lifetimes, start_s, stop_s, end_s,
                                     versions)  # fmt: skip
         if on_run is not None:

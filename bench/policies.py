@@ -27,8 +27,8 @@ from pydantic import ValidationError
 from bench.generate import summarize
 from bench.report import compare_reports, render_comparison, write_report
 from bench.sim import simulate
-from dsec.baselines import POLICIES
 from dsec.models import PoolParams
+from dsec.policies import POLICIES
 from dsec.trace import TraceError, load_trace
 
 # the baselines whose max (max_warm) caps how far they scale

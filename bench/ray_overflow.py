@@ -40,11 +40,11 @@ from pathlib import Path
 import docker
 
 from agent.docker_driver import LABEL_NODE
-from dsec.cli import format_table
-from dsec.cli.up import LocalPool, LocalPoolSpec
 from dsec.client import Client
+from dsec.launch.local import LocalPool, LocalPoolSpec
 from dsec.models import Capacity, PoolParams
 from dsec.processes import interrupt_on_termination
+from dsec.tables import format_table
 
 ACQUIRE_TIMEOUT_S = 120.0
 GONE_TIMEOUT_S = 180.0
@@ -164,7 +164,7 @@ async def ray_phase(args: argparse.Namespace) -> dict:
         unwatch,
         watch,
     )
-    from dsec.cli.ray import RayPool, RayPoolSpec
+    from dsec.launch.ray import RayPool, RayPoolSpec
 
     cluster = overflow_cluster(1, 1, idle_timeout_s=args.ray_idle_timeout_s)
     address = f"{LOOPBACK}:{GCS_PORT}"

@@ -27,11 +27,11 @@ import uuid
 from pathlib import Path
 
 from bench.multihost import WARMUP_ROUNDS, acquire_round, ready, warm_figures
-from dsec.cli import format_table
-from dsec.cli.up import LocalPool, LocalPoolSpec
 from dsec.client import Client
+from dsec.launch.local import LocalPool, LocalPoolSpec
 from dsec.models import Capacity, PoolParams
 from dsec.processes import interrupt_on_termination
+from dsec.tables import format_table
 
 TARGET_RATIO = 1.1
 NODES = 2
@@ -49,7 +49,7 @@ def pool_fields(acquires: int, state_dir: Path) -> dict:
 
 
 async def measure(args: argparse.Namespace, work: Path, ray_address: str) -> dict:
-    from dsec.cli.ray import RayPool, RayPoolSpec
+    from dsec.launch.ray import RayPool, RayPoolSpec
 
     local = LocalPool(LocalPoolSpec(nodes=NODES, **pool_fields(args.acquires, work / "up")))
     on_ray = RayPool(

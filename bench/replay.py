@@ -96,7 +96,7 @@ async def _replay_live(episodes: list[Episode], args: argparse.Namespace) -> Run
     common = {
         "time_scale": args.time_scale,
         "policy": args.policy,
-        "progress": not args.json,
+        "progress": True,
         "trace": args.trace,
         "seed": args.seed,
     }
@@ -139,7 +139,7 @@ def run_replay(args: argparse.Namespace) -> int:
 
     if args.mode == "live":
         from bench.replay_live import ReplayError
-        from dsec.cli.up import LocalPoolError
+        from dsec.launch.local import LocalPoolError
 
         try:
             result = asyncio.run(_replay_live(episodes, args))
@@ -159,7 +159,7 @@ def run_replay(args: argparse.Namespace) -> int:
             time_scale=args.time_scale,
             params=_pool_params(episodes, args),
             horizon_s=args.horizon_s,
-            progress=not args.json,
+            progress=True,
         )
         result.meta["trace"] = args.trace  # the simulator is given episodes, not their file
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import sys
 import tempfile
 import time
 import uuid
@@ -30,9 +29,10 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.records import EpisodeRecord, RunResult, TimelineSample
-from dsec.cli.up import LocalPool, LocalPoolSpec, Tokens
 from dsec.client import Client, DsecError, Sandbox
+from dsec.launch.local import LocalPool, LocalPoolSpec, Tokens
 from dsec.models import MAX_TIMEOUT_S, Capacity, PoolList, PoolParams
+from dsec.progress import progress_bar
 from dsec.states import ASSIGNED, OCCUPYING, SandboxState
 from dsec.trace import Episode
 
@@ -292,8 +292,6 @@ async def _replay_with(
     acquire_timeout_s: float,
     meta: dict,
 ) -> RunResult:
-    from tqdm import tqdm  # the `bench` extra: imported only when a replay runs
-
     wanted = {episode.pool for episode in episodes}
     await _ensure_pools(url, tokens.admin, wanted, await client.pools())
     await _wait_settled(client)
@@ -329,9 +327,7 @@ async def _replay_with(
         )
         for episode in episodes
     ]
-    with tqdm(
-        total=len(plays), desc="episodes", unit="ep", file=sys.stderr, disable=not progress
-    ) as bar:
+    with progress_bar(len(plays), "episodes", "ep", shown=progress) as bar:
         try:
             for finished in asyncio.as_completed(plays):
                 await finished

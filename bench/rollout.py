@@ -89,11 +89,11 @@ from bench.rollout_repo import (
 )
 from bench.soak import Teardown, local_pool, run_to_report
 from bench.stats import summary_ms
-from dsec.cli import format_table
-from dsec.cli.up import LocalPool
 from dsec.client import Client
+from dsec.launch.local import LocalPool
 from dsec.models import PoolParams, TemplateSpec
 from dsec.processes import interrupt_on_termination
+from dsec.tables import format_table
 from dsec.template_build import PYTHON_TEMPLATE_ENV, build_python_template
 
 TEMPLATE = "python"
@@ -122,7 +122,7 @@ BASELINE_ERRORS = (*ENGINE_ERRORS, RuntimeError, OSError)
 
 def python_image(given: str | None) -> str:
     """The template's image: `given`, else the project's built one (a cache hit once built)."""
-    return given or build_python_template().image
+    return given or build_python_template(progress=True).image
 
 
 def python_template(image: str) -> TemplateSpec:

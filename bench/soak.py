@@ -71,11 +71,11 @@ from agent.docker_driver import LABEL_NODE, LABEL_SANDBOX
 from agent.node import HIBERNATED_REPOSITORY
 from bench.stats import summary_ms
 from controlplane.config import ClientQuota, ClientSpec, default_templates
-from dsec.cli import format_table
-from dsec.cli.up import LocalPool, LocalPoolError, LocalPoolSpec
 from dsec.client import Client, DsecError, Sandbox
+from dsec.launch.local import LocalPool, LocalPoolError, LocalPoolSpec
 from dsec.models import Capacity, PoolParams
 from dsec.processes import interrupt_on_termination
+from dsec.tables import format_table
 from dsec.tokens import new_token
 
 # Socket pools (the Docker SDK's towards the engine, aiohttp's between the control plane

@@ -25,6 +25,7 @@ from bench.report import build_report
 from bench.runargs import add_run_arguments, load_run
 from bench.sim import simulate
 from dsec.models import PoolParams
+from dsec.progress import progress_bar
 from dsec.trace import TraceError
 
 DEFAULT_GRID = {
@@ -85,13 +86,18 @@ def measure(episodes, params: PoolParams, **sim) -> dict:
     return figures(build_report(simulate(episodes, params=params, **sim)))
 
 
-def sweep(episodes, grid: dict[str, list[float]], base: PoolParams, **sim) -> list[dict]:
+def sweep(
+    episodes, grid: dict[str, list[float]], base: PoolParams, *, progress: bool = False, **sim
+) -> list[dict]:
     rows = []
     names = sorted(grid)
-    for values in itertools.product(*(grid[n] for n in names)):
-        combo = dict(zip(names, values, strict=True))
-        params = PoolParams.model_validate(base.model_dump() | combo)
-        rows.append({**combo, **measure(episodes, params, **sim)})
+    combos = list(itertools.product(*(grid[n] for n in names)))
+    with progress_bar(len(combos), "dsec bench sweep", "run", shown=progress) as bar:
+        for values in combos:
+            combo = dict(zip(names, values, strict=True))
+            params = PoolParams.model_validate(base.model_dump() | combo)
+            rows.append({**combo, **measure(episodes, params, **sim)})
+            bar.update(1)
     front = pareto_front(rows)
     for r in rows:
         r["pareto"] = r in front
@@ -167,6 +173,7 @@ def run_sweep(args: argparse.Namespace) -> int:
             episodes, grid, PoolParams(), policy=args.policy, nodes=args.nodes,
             slots_per_node=args.slots_per_node, cloud_nodes=args.cloud_nodes, seed=args.seed,
             time_scale=args.time_scale, profile=profile, trace_name=str(args.trace),
+            progress=True,
         )  # fmt: skip
     except (TraceError, ValueError, OSError) as e:
         print(f"dsec bench sweep: {e}", file=sys.stderr)

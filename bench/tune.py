@@ -72,12 +72,13 @@ from bench.policies import policy_params
 from bench.report import build_report
 from bench.runargs import add_run_arguments, load_run, measure_profile
 from bench.sweep import figures, measure, pareto_front, plot_pareto
-from dsec.baselines import POLICIES
 from dsec.models import PoolParams
+from dsec.policies import POLICIES
+from dsec.progress import progress_bar
 from dsec.trace import Episode, TraceError
 
 if TYPE_CHECKING:
-    from dsec.cli.up import LocalPoolSpec
+    from dsec.launch.local import LocalPoolSpec
 
 # what a target may bound: the run's figures (bench.sweep.figures), each at most its limit
 TARGETS = {
@@ -293,13 +294,13 @@ def busiest_sim(spec: LocalPoolSpec, *, time_scale: float, profile, trace_name: 
 
 class Runner:
     """Runs simulations of one workload, `jobs` at a time (in worker processes past one),
-    and says on stderr how far it is, one line per simulation: a search of a long trace
-    runs for many minutes, and the only output otherwise comes at its end."""
+    with a progress bar of them on stderr: a search of a long trace runs for many minutes,
+    and the only output otherwise comes at its end."""
 
     def __init__(self, workload: Workload, jobs: int, expected: int) -> None:
         self.runs = 0
-        self.expected = expected  # simulations the tune will run, at most
-        self.started = time.perf_counter()
+        # simulations the tune will run, at most: the bar's end, and its estimate of the rest
+        self.bar = progress_bar(expected, "dsec bench tune: simulations", "sim")
         self.pool = ProcessPoolExecutor(jobs, initializer=_init_worker,
                                         initargs=(workload,)) if jobs > 1 else None  # fmt: skip
         if self.pool is None:
@@ -310,17 +311,11 @@ class Runner:
         for row in self.pool.map(_run, jobs) if self.pool else map(_run, jobs):
             rows.append(row)
             self.runs += 1
-            self._progress()
+            self.bar.update(1)
         return rows
 
-    def _progress(self) -> None:
-        took_s = time.perf_counter() - self.started
-        left_s = took_s / self.runs * max(self.expected - self.runs, 0)
-        print(f"dsec bench tune: simulation {self.runs} of at most {self.expected}, "
-              f"{took_s:.0f} s so far, at most about {left_s:.0f} s to go",
-              file=sys.stderr, flush=True)  # fmt: skip
-
     def close(self) -> None:
+        self.bar.close()
         if self.pool is not None:
             self.pool.shutdown(cancel_futures=True)
 
@@ -734,6 +729,19 @@ def _bad_flags(args: argparse.Namespace) -> str | None:
     return None
 
 
+def _check_capacity(episodes: list[Episode], args: argparse.Namespace) -> None:
+    """A trace holding more sandboxes at once than the nodes have slots queues at its peak
+    whatever the pool's parameters: said before a search that could only find that out."""
+    peak = int(summarize(episodes)["peak_concurrency"])
+    capacity = args.nodes * args.slots_per_node
+    if peak > capacity:
+        raise ValueError(
+            f"{args.trace}: its peak is {peak} sandboxes at once, more than the "
+            f"{capacity} slots of {args.nodes} nodes x {args.slots_per_node}: no pool "
+            "parameters serve it without queueing (raise --nodes or --slots-per-node)"
+        )
+
+
 def run_tune(args: argparse.Namespace) -> int:
     try:
         if problem := _bad_flags(args):
@@ -746,6 +754,7 @@ def run_tune(args: argparse.Namespace) -> int:
         episodes, profile = load_run(args)
         if not episodes:
             raise ValueError(f"{args.trace}: no episodes")
+        _check_capacity(episodes, args)
     except (TraceError, ValueError, OSError) as e:
         print(f"dsec bench tune: {e}", file=sys.stderr)
         return 2
@@ -773,7 +782,7 @@ def run_tune(args: argparse.Namespace) -> int:
     elif not args.no_live:
         from bench.calibrate import CALIBRATE_ERRORS
         from bench.replay_live import ReplayError
-        from dsec.cli.up import LocalPoolError
+        from dsec.launch.local import LocalPoolError
 
         spec = live_spec(args, result["params"])
         print(f"dsec bench tune: the live check: the busiest {args.live_s:g} s of the trace on "

@@ -9,7 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from controlplane.cloud import CloudSettings
 from controlplane.identities import LOOPBACK_AGENT_URLS, AgentUrlRule
-from dsec.baselines import PolicyName
+from dsec.policies import PolicyName
 from dsec.httpkit import ApiError, MetricsAccess
 from dsec.image import BASE_IMAGE
 from dsec.models import MAX_PREWARM_S, Name, PoolParams, TemplateSpec

@@ -30,7 +30,7 @@ from controlplane.metrics import ControlPlaneMetrics, SandboxSeconds, ViewCollec
 from controlplane.prewarm import Prewarms
 from controlplane.queue import PendingRequest, RequestQueues
 from controlplane.view import ClusterView, SandboxEntry
-from dsec.baselines import Policy, make_policy
+from dsec.policies import Policy, make_policy
 from dsec.clock import Clock
 from dsec.httpkit import ApiError
 from dsec.models import (

@@ -1,4 +1,5 @@
-"""The policies dsec is compared with, behind the same interface as dsec's own.
+"""The policies dsec is compared with, behind the same interface as dsec's own
+(dsec/policies.py, `Policy`).
 
 Each takes the same snapshot and returns the same actions, so the control plane and
 the simulator run any of them unchanged (`policy: cold | static | hpa | keda | kpa`).
@@ -18,7 +19,6 @@ import math
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Mapping
-from typing import Literal, Protocol, get_args
 
 from dsec.models import PoolParams
 from dsec.policy import (
@@ -30,7 +30,6 @@ from dsec.policy import (
     RequestSnap,
     Snapshot,
     Unplaceable,
-    decide,
 )
 from dsec.states import SandboxState as S
 
@@ -40,21 +39,6 @@ Key = tuple[str, str]  # (pool, template)
 def in_line(r: RequestSnap) -> tuple:
     """Queue order: higher priority first, then arrival."""
     return (-r.priority, r.arrived_at, r.id)
-
-
-class Policy(Protocol):
-    name: str
-
-    def decide(
-        self, snapshot: Snapshot, pools: Mapping[str, PoolParams], now: float
-    ) -> list[Action]: ...
-
-
-class DsecPolicy:
-    name = "dsec"
-
-    def decide(self, snapshot: Snapshot, pools: Mapping[str, PoolParams], now: float):
-        return decide(snapshot, pools, now)
 
 
 class ColdPolicy:
@@ -266,21 +250,3 @@ class KpaPolicy(ReplicaPolicy):
         else:
             want = stable
         return max(params.min_warm, min(want, params.max_warm + state["leased"]))
-
-
-# The one list of policy names: the control plane's config takes one of these, and
-# POLICIES maps each to its class (by the class's `name`).
-PolicyName = Literal["dsec", "cold", "static", "hpa", "keda", "kpa"]
-
-_CLASSES = {
-    p.name: p for p in (DsecPolicy, ColdPolicy, StaticPolicy, HpaPolicy, KedaPolicy, KpaPolicy)
-}
-POLICIES = {name: _CLASSES[name] for name in get_args(PolicyName)}
-assert POLICIES.keys() == _CLASSES.keys(), "a policy class without its name in PolicyName"
-
-
-def make_policy(name: str) -> Policy:
-    try:
-        return POLICIES[name]()
-    except KeyError:
-        raise ValueError(f"unknown policy {name!r}; known: {sorted(POLICIES)}") from None

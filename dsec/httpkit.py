@@ -728,9 +728,10 @@ async def cancel_and_wait(*tasks: asyncio.Task) -> None:
 
 
 def stop_on_signals() -> asyncio.Event:
-    """An event set by SIGINT or SIGTERM, so a service shuts down through its cleanup."""
+    """An event set by SIGINT, SIGTERM or SIGHUP (its terminal closed), so a service shuts
+    down through its cleanup."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         loop.add_signal_handler(sig, stop.set)
     return stop

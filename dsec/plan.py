@@ -34,7 +34,7 @@ from pydantic import (
     model_validator,
 )
 
-from dsec.baselines import POLICIES
+from dsec.policies import POLICIES
 
 SECONDS_PER_DAY = 86_400.0
 

@@ -25,15 +25,18 @@ import shutil
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
 
 import docker
 from docker.errors import BuildError, DockerException, ImageNotFound
+from tqdm import tqdm
 
 from dsec.image import IMAGE_LABEL, image_exists
+from dsec.progress import progress_bar
 
 RECIPE_VERSION = "1"  # a change to how images are made below gives every template a new tag
 PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
@@ -96,8 +99,10 @@ def build_template(
     dockerfile: str | Path | None = None,
     image: str | None = None,
     client: docker.DockerClient | None = None,
+    progress: bool = False,
 ) -> BuiltTemplate:
-    """Build (or find built) the image of template `name` from exactly one source."""
+    """Build (or find built) the image of template `name` from exactly one source; with
+    `progress`, a build (not a cache hit) draws its steps as a bar on stderr."""
     if sum(x is not None for x in (debian, dockerfile, image)) != 1:
         raise TemplateBuildError("give exactly one of --debian, --dockerfile, --image")
     if (packages or pip) and debian is None:
@@ -107,21 +112,25 @@ def build_template(
     if debian is not None:
         digest = _digest(["debian", debian, *sorted(packages), "pip", *sorted(pip), *_sources()])
         make = partial(_from_debian, client, name, debian, packages, pip)
+        steps = 4 if pip else 3
     elif dockerfile is not None:
         path = Path(dockerfile)
         if not path.is_file():
             raise TemplateBuildError(f"no Dockerfile at {path}")
         digest = _digest(["dockerfile", *_context(path), *_bases(client, path)])
         make = partial(_from_dockerfile, client, name, path)
+        steps = 1
     else:
         assert image is not None
         digest = _digest(["image", _image_id(client, image)])
-        make = partial(client.images.get(image).tag, name)
+        make = partial(_from_image, client, image, name)
+        steps = 1
     tag = digest[:16]
     ref = f"{name}:{tag}"
     cached = image_exists(client, ref)
     if not cached:
-        make(tag)
+        with progress_bar(steps, f"template {name}", "step", shown=progress) as bar:
+            make(tag, BuildSteps(bar))
     built = client.images.get(ref)
     built.tag(name, "latest")
     return BuiltTemplate(
@@ -129,8 +138,23 @@ def build_template(
     )
 
 
-def build_python_template(client: docker.DockerClient | None = None) -> BuiltTemplate:
-    return build_template("python", client=client, **PYTHON_TEMPLATE)
+def build_python_template(
+    client: docker.DockerClient | None = None, progress: bool = False
+) -> BuiltTemplate:
+    return build_template("python", client=client, progress=progress, **PYTHON_TEMPLATE)
+
+
+class BuildSteps:
+    """A build's steps on its progress bar: the one running named, each counted once done."""
+
+    def __init__(self, bar: tqdm) -> None:
+        self.bar = bar
+
+    @contextmanager
+    def step(self, what: str) -> Iterator[None]:
+        self.bar.set_postfix_str(what)
+        yield
+        self.bar.update(1)
 
 
 # --- inputs -----------------------------------------------------------------------
@@ -205,6 +229,7 @@ def _from_debian(
     packages: Sequence[str],
     pip: Sequence[str],
     tag: str,
+    steps: BuildSteps,
 ) -> None:
     if shutil.which("mmdebstrap") is None:
         raise TemplateBuildError("mmdebstrap is not installed (apt-get install mmdebstrap)")
@@ -213,17 +238,23 @@ def _from_debian(
         cmd = ["mmdebstrap", "--variant=apt", "--quiet"]
         if packages:
             cmd.append("--include=" + ",".join(packages))
-        _run([*cmd, suite, str(rootfs)], f"mmdebstrap of {suite}")
+        with steps.step(f"mmdebstrap of {suite}"):
+            _run([*cmd, suite, str(rootfs)], f"mmdebstrap of {suite}")
         if pip:
-            _pip_into(rootfs, pip)
+            with steps.step("pip install"):
+                _pip_into(rootfs, pip)
         _add_sandbox_user(rootfs)
         archive = Path(tmp) / "rootfs.tar"
-        _run(["tar", "-C", str(rootfs), "-cf", str(archive), "."], "tar of the root file system")
+        with steps.step("tar"):
+            _run(
+                ["tar", "-C", str(rootfs), "-cf", str(archive), "."], "tar of the root file system"
+            )
         changes = [*IMPORT_CHANGES, f"LABEL {IMAGE_LABEL}={name}"]
         try:
-            client.api.import_image_from_file(
-                str(archive), repository=name, tag=tag, changes=changes
-            )
+            with steps.step("docker import"):
+                client.api.import_image_from_file(
+                    str(archive), repository=name, tag=tag, changes=changes
+                )
         except DockerException as e:
             raise TemplateBuildError(f"docker import failed: {e}") from e
 
@@ -251,18 +282,28 @@ def _add_sandbox_user(rootfs: Path) -> None:
     os.chown(work, 1000, 1000)
 
 
-def _from_dockerfile(client: docker.DockerClient, name: str, path: Path, tag: str) -> None:
+def _from_image(
+    client: docker.DockerClient, image: str, name: str, tag: str, steps: BuildSteps
+) -> None:
+    with steps.step("docker tag"):
+        client.images.get(image).tag(name, tag)
+
+
+def _from_dockerfile(
+    client: docker.DockerClient, name: str, path: Path, tag: str, steps: BuildSteps
+) -> None:
     try:
-        client.images.build(
-            path=str(path.parent),
-            dockerfile=path.name,
-            tag=f"{name}:{tag}",
-            rm=True,
-            forcerm=True,
-            pull=False,
-            network_mode="none",
-            labels={IMAGE_LABEL: name},
-        )
+        with steps.step("docker build"):
+            client.images.build(
+                path=str(path.parent),
+                dockerfile=path.name,
+                tag=f"{name}:{tag}",
+                rm=True,
+                forcerm=True,
+                pull=False,
+                network_mode="none",
+                labels={IMAGE_LABEL: name},
+            )
     except BuildError as e:
         log = "".join(str(c.get("stream") or c.get("error") or "") for c in e.build_log)
         raise TemplateBuildError(f"the Dockerfile's build failed: {e.msg}\n{_tail(log)}") from e

@@ -22,9 +22,9 @@ from inprocess import InProcessControlPlane, inprocess_controlplane
 from prometheus_client.parser import text_string_to_metric_families
 
 from agent.docker_driver import LABEL_NODE, LABEL_SANDBOX, RUNC_INIT_DIED
-from dsec.cli.up import LocalPool, LocalPoolSpec
 from dsec.client import Client
 from dsec.image import ensure_base_image
+from dsec.launch.local import LocalPool, LocalPoolSpec
 from dsec.models import Capacity, PoolParams
 from dsec.processes import stop_process
 

@@ -21,8 +21,8 @@ from conftest import assert_stopped_then_removed, eventually, make_spec, started
 from inprocess import InProcessControlPlane, inprocess_controlplane
 
 from agent.docker_driver import LABEL_SANDBOX
-from dsec.cli.up import LocalPool
 from dsec.client import Client, Sandbox
+from dsec.launch.local import LocalPool
 from dsec.tokens import new_token
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")

@@ -1,4 +1,4 @@
-"""Every policy in `dsec.baselines.POLICIES` running a real local pool on Docker: each
+"""Every policy in `dsec.policies.POLICIES` running a real local pool on Docker: each
 acquires, runs a command and releases, and shows the behaviour that makes it that policy.
 
 The baselines' timers are their controllers' (HPA syncs every 15 s, KEDA polls every
@@ -20,9 +20,9 @@ from conftest import (
 )
 
 from agent.docker_driver import LABEL_SANDBOX
-from dsec.baselines import POLICIES
 from dsec.client import Client, DsecError
 from dsec.models import Capacity, PoolParams
+from dsec.policies import POLICIES
 
 SLOTS = 8
 TICK_S = 0.1

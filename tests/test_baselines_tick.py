@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-from dsec.baselines import POLICIES, make_policy
 from dsec.models import PoolParams
+from dsec.policies import POLICIES, make_policy
 from dsec.policy import (
     Claim,
     NodeSnap,

@@ -25,8 +25,8 @@ import pytest_asyncio
 from conftest import eventually, make_spec, started_pool
 
 from agent.docker_driver import LABEL_NODE, LABEL_SANDBOX
-from dsec.cli.up import Child, LocalPool
 from dsec.client import Client, DsecError, Sandbox
+from dsec.launch.local import Child, LocalPool
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 

@@ -20,9 +20,9 @@ import pytest_asyncio
 from conftest import eventually, make_spec, metric_value, started_pool
 
 from agent.docker_driver import KEEPER_USER, LABEL_SANDBOX
-from dsec.cli.up import LocalPool
 from dsec.client import Client, Sandbox
 from dsec.httpkit import BODY_IDLE_TIMEOUT_S
+from dsec.launch.local import LocalPool
 from dsec.models import SandboxInfo
 from dsec.states import SandboxState
 from dsec.tokens import NO_EXPIRY, lease_token, new_lease_id

@@ -43,9 +43,9 @@ from controlplane.cloud import CloudConfig, LocalCloudProvider
 from controlplane.identities import Identities
 from controlplane.spent import KeyLog
 from dsec.cli import build_parser, main
-from dsec.cli.up import LocalPool, Tokens, write_env_file
 from dsec.client import Client
 from dsec.image import BASE_IMAGE
+from dsec.launch.local import LocalPool, Tokens, write_env_file
 from dsec.models import PoolParams, TemplateSpec
 from dsec.processes import is_credential
 from dsec.states import SandboxState

@@ -34,10 +34,10 @@ from hypothesis import HealthCheck, given, settings
 from agent.app import agent_api
 from controlplane.app import controlplane_api
 from controlplane.identities import Identities
-from dsec.cli.up import LocalPool
 from dsec.client import Client, Sandbox
 from dsec.httpkit import Api
 from dsec.image import BASE_IMAGE
+from dsec.launch.local import LocalPool
 from dsec.models import NAME_PATTERN, SANDBOX_ID_PATTERN, Capacity, PoolParams
 from dsec.tokens import new_token
 

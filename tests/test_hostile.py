@@ -25,9 +25,9 @@ from conftest import commands_running, make_spec, started_pool, take_last_pid, t
 from agent.docker_driver import LABEL_SANDBOX, LOOP_CAPS
 from agent.users import FIRST_UID
 from controlplane.config import default_templates
-from dsec.cli.up import LocalPool
 from dsec.client import Client, DsecError, Sandbox
 from dsec.image import PASSWD
+from dsec.launch.local import LocalPool
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 

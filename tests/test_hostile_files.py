@@ -18,7 +18,7 @@ import pytest_asyncio
 from conftest import eventually, make_spec, started_pool
 from test_data_plane import auth, get, http, put, run, sb, url  # noqa: F401
 
-from dsec.cli.up import LocalPool
+from dsec.launch.local import LocalPool
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 MiB = 1 << 20

@@ -18,9 +18,9 @@ from conftest import eventually, make_spec, started_pool
 
 from agent.users import FIRST_UID
 from controlplane.config import default_templates
-from dsec.cli.up import LocalPool
 from dsec.client import Client, Sandbox
 from dsec.image import BASE_IMAGE
+from dsec.launch.local import LocalPool
 from dsec.models import TemplateSpec
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")

@@ -38,9 +38,9 @@ from controlplane.identities import Identities
 from controlplane.images import BACKOFF_FIRST_S, MAX_TRANSFERS, ImageDistributor
 from controlplane.scheduler import build_scheduler
 from controlplane.view import NodeEntry
-from dsec.cli.up import LocalPool
 from dsec.client import Client
 from dsec.image import BASE_IMAGE
+from dsec.launch.local import LocalPool
 from dsec.models import NodeInfo, PoolParams, TemplateSpec
 from dsec.policy import Resources
 from dsec.tokens import new_token

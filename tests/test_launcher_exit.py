@@ -1,7 +1,9 @@
-"""Whatever starts a local pool takes it down however it ends: a bench command ended by
-SIGTERM stops its pool as on Ctrl-C, and a launcher killed outright (SIGKILL, no clean-up
-of its own) leaves no control plane, agent or sandbox behind: its children get SIGTERM
-when it dies (dsec.processes.signalled_at_parent_death) and remove their sandboxes."""
+"""Whatever starts a local pool takes it down however it ends: each command that starts
+one (`dsec up`, `dsec bench replay --mode live`, `fidelity`, `tune`, `bench.burst`,
+`bench.churn`) stops it on SIGINT, SIGTERM and SIGHUP as on Ctrl-C, and a launcher killed
+outright (SIGKILL, no clean-up of its own) leaves no control plane, agent or sandbox
+behind: its children get SIGTERM when it dies (dsec.processes.signalled_at_parent_death)
+and remove their sandboxes."""
 
 from __future__ import annotations
 
@@ -13,9 +15,9 @@ import sys
 import uuid
 from pathlib import Path
 
+import pytest
 from conftest import STARTED_POOLS, TEST_POOL_PREFIX, eventually, pool_containers
 
-from bench.replay_live import REPLAY_POOL_PREFIX
 from dsec.trace import Episode, Step, dump_trace
 
 # a pool of one node with two warm sandboxes that runs until it is killed, and says
@@ -23,7 +25,7 @@ from dsec.trace import Episode, Step, dump_trace
 LAUNCHER = """
 import asyncio, json, sys
 from pathlib import Path
-from dsec.cli.up import LocalPool, LocalPoolSpec
+from dsec.launch.local import LocalPool, LocalPoolSpec
 from dsec.models import Capacity, PoolParams
 
 async def main():
@@ -37,6 +39,22 @@ async def main():
 
 asyncio.run(main())
 """
+
+
+def descendants(pid: int) -> set[int]:
+    """Every live process under `pid`, from /proc's parent links."""
+    parents = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        parents[int(stat.parent.name)] = int(fields[1])
+    found, frontier = set(), {pid}
+    while frontier:
+        frontier = {child for child, parent in parents.items() if parent in frontier} - found
+        found |= frontier
+    return {p for p in found if running(p)}
 
 
 def running(pid: int) -> bool:
@@ -69,31 +87,57 @@ async def test_a_killed_launcher_leaves_no_service_and_no_sandbox(docker_client,
     )
 
 
-async def test_a_bench_command_ended_by_sigterm_stops_its_pool_as_on_ctrl_c(
-    docker_client, tmp_path
-):
+def pool_commands(tmp_path: Path) -> dict[str, list[str]]:
+    """Each command that starts a pool, on one node where it can, sized to start quickly;
+    the episodes' commands run for minutes, so the signal finds them under way."""
     trace = tmp_path / "trace.jsonl"
-    long = [Step(think_s=0.1, exec_s=120.0)]  # still running when the SIGTERM comes
+    long = [Step(think_s=0.1, exec_s=120.0)]
     dump_trace([Episode(episode=f"e{i}", arrival_s=0.0, steps=long) for i in range(2)], trace)
-    before = {c.id for c in pool_containers(docker_client, REPLAY_POOL_PREFIX)}
-    env = {**os.environ, "HOME": str(tmp_path)}  # its pool's state dir: ~/.dsec
-    replay = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "dsec.cli", "bench", "replay", "--trace", str(trace),
-        "--mode", "live", "--nodes", "1", "--out", str(tmp_path / "out"),
-        env=env, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
-    )  # fmt: skip
+    dsec = [sys.executable, "-m", "dsec.cli"]
+    out = ["--out", str(tmp_path / "out")]
+    one_node = ["--trace", str(trace), "--nodes", "1", *out]
+    return {
+        "up": [*dsec, "up", "--nodes", "1", "--port", "0", "--min-warm", "2",
+               "--name", f"{TEST_POOL_PREFIX}{uuid.uuid4().hex[:8]}"],
+        "replay": [*dsec, "bench", "replay", "--mode", "live", *one_node],
+        "fidelity": [*dsec, "bench", "fidelity", "--sim-seeds", "1", *one_node],
+        "tune": [*dsec, "bench", "tune", *one_node, "--slots-per-node", "8",
+                 "--target", "p99_ms=100000", "--budget", "6", "--space", "min_warm=0,1",
+                 "--space", "warm_fraction=0", "--seeds", "1", "--live-s", "30"],
+        "burst": [sys.executable, "-m", "bench.burst", "--size", "20"],
+        "churn": [sys.executable, "-m", "bench.churn", "--episodes", "40",
+                  "--concurrency", "4"],
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP], ids=lambda s: s.name
+)
+@pytest.mark.parametrize("command", ["up", "replay", "fidelity", "tune", "burst", "churn"])
+async def test_a_command_that_starts_a_pool_stops_it_on_each_signal(
+    docker_client, tmp_path, command, sig
+):
+    before = {c.id for c in pool_containers(docker_client, "")}
 
     def its_containers() -> list:
-        return [c for c in pool_containers(docker_client, REPLAY_POOL_PREFIX) if c.id not in before]
+        return [c for c in pool_containers(docker_client, "") if c.id not in before]
 
+    env = {**os.environ, "HOME": str(tmp_path)}  # its pool's state dir: ~/.dsec
+    proc = await asyncio.create_subprocess_exec(
+        *pool_commands(tmp_path)[command], env=env, cwd=tmp_path,
+        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
     try:
-        await eventually(lambda: len(its_containers()) >= 2, "its episodes' sandboxes", 120)
-        replay.send_signal(signal.SIGTERM)
-        _, err = await asyncio.wait_for(replay.communicate(), 120)
+        await eventually(lambda: its_containers(), "its sandboxes", timeout=180)
+        children = descendants(proc.pid)
+        assert children, "a pool's services run as its children"
+        proc.send_signal(sig)
+        _, err = await asyncio.wait_for(proc.communicate(), 120)
     finally:
-        if replay.returncode is None:
-            replay.kill()
-            await replay.wait()
-    # its own clean-up ran (Ctrl-C's exit code), rather than the signal ending it
-    assert replay.returncode == 130, err.decode()
-    assert not its_containers()
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    # its own clean-up ran, rather than the signal ending it
+    assert proc.returncode in (0, 130), err.decode()[-2000:]
+    await eventually(lambda: not any(map(running, children)), "its services to end", 30)
+    assert its_containers() == []

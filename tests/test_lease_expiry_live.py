@@ -16,8 +16,8 @@ import pytest
 import pytest_asyncio
 from conftest import eventually, make_spec, started_pool
 
-from dsec.cli.up import LocalPool
 from dsec.client import Client, DsecError
+from dsec.launch.local import LocalPool
 from dsec.models import PoolParams
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")

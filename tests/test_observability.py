@@ -29,8 +29,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from agent.docker_driver import LABEL_NODE, LABEL_SANDBOX
 from controlplane.metrics import UNKNOWN_POOL
-from dsec.cli.up import LocalPool
 from dsec.client import Client, DsecError
+from dsec.launch.local import LocalPool
 from dsec.models import SANDBOX_ID_RE, Capacity, PoolParams
 from dsec.states import SandboxState
 

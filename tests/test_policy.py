@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from dsec.baselines import make_policy
 from dsec.models import PoolParams
+from dsec.policies import make_policy
 from dsec.policy import (
     Claim,
     CloudSnap,

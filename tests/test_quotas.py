@@ -103,7 +103,8 @@ def test_a_token_listed_with_a_quota_is_a_client_token_and_others_get_the_defaul
 
 def test_dsec_up_takes_pools_templates_and_quotas_from_a_config_file(tmp_path):
     from dsec.cli.common import UsageError
-    from dsec.cli.up import LocalPoolSpec, _apply_config_file
+    from dsec.cli.up import _apply_config_file
+    from dsec.launch.local import LocalPoolSpec
 
     path = tmp_path / "pool.json"
     path.write_text(

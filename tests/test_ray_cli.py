@@ -75,7 +75,7 @@ def test_dsec_ray_up_refuses_an_address_it_cannot_be_reached_at(flags, says, cap
 
 @needs_ray
 def test_dsec_ray_up_tells_its_control_plane_where_it_listens_and_which_agents_to_take():
-    from dsec.cli.ray import RayPool, RayPoolSpec
+    from dsec.launch.ray import RayPool, RayPoolSpec
 
     spec = RayPoolSpec(
         host="0.0.0.0", advertise_url="http://10.0.0.5", agent_urls=["http://10.1.0.0/16"]

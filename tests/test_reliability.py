@@ -37,9 +37,9 @@ from conftest import (
 
 from agent.docker_driver import LABEL_NODE
 from controlplane.config import default_templates
-from dsec.cli.up import LocalPool
 from dsec.client import Client, DsecError, Sandbox
 from dsec.image import BASE_IMAGE, ensure_base_image
+from dsec.launch.local import LocalPool
 from dsec.models import Capacity, NodeInfo, PoolParams, TemplateSpec
 from dsec.processes import STOP_GRACE_S
 

@@ -36,10 +36,10 @@ from agent.docker_driver import LOOP_USER, AsyncDocker
 from agent.node import Agent
 from agent.sandboxes import Sandbox as LiveSandbox
 from controlplane.config import default_templates
-from dsec.cli.up import LocalPool
 from dsec.client import Client, DsecError, Sandbox
 from dsec.clock import SystemClock
 from dsec.image import BASE_IMAGE
+from dsec.launch.local import LocalPool
 from dsec.models import CreateSandbox, LeaseGrant, TemplateSpec
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")

@@ -19,8 +19,8 @@ from bench.sim import simulate
 from bench.sim.agents import Engine, SimAgents, SimSandbox
 from bench.sim.loop import VirtualClock, VirtualTimeLoop
 from bench.sim.profile import OPS, Profile
-from dsec.baselines import POLICIES
 from dsec.models import CreateSandbox, PoolParams, TemplateSpec
+from dsec.policies import POLICIES
 from dsec.policy import SAMPLE_ABOVE, SAMPLE_SIZE, Resources
 from dsec.states import SandboxState as S
 

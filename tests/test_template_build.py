@@ -6,6 +6,7 @@ pays for mmdebstrap (about 20 s for this small one)."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -103,6 +104,19 @@ def test_an_image_is_taken_as_it_is(docker_client, untag):
     ensure_base_image(docker_client)
     taken = build_template("test-img", image=BASE_IMAGE, client=docker_client)
     assert docker_client.images.get(taken.image).id == docker_client.images.get(BASE_IMAGE).id
+
+
+def test_the_cli_draws_a_builds_steps_on_stderr_and_its_answer_on_stdout(docker_client, untag):
+    untag("test-bar")
+    ensure_base_image(docker_client)
+    command = [sys.executable, "-m", "dsec.cli", "template", "build", "test-bar", "--json"]
+    built = subprocess.run([*command, "--image", BASE_IMAGE], capture_output=True, text=True)
+    assert built.returncode == 0, built.stderr
+    assert json.loads(built.stdout)["cached"] is False  # stdout is the answer alone
+    bar = built.stderr.replace("\r", "\n")
+    assert "template test-bar: " in bar and "| 1/1 " in bar, built.stderr
+    again = subprocess.run([*command, "--image", BASE_IMAGE], capture_output=True, text=True)
+    assert json.loads(again.stdout)["cached"] is True and "template test-bar" not in again.stderr
 
 
 def test_an_unknown_package_fails_with_apts_words_and_tags_nothing(docker_client):

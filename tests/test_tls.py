@@ -38,9 +38,9 @@ from rawhttp import RawConnection
 from controlplane.cloud import CloudConfig, LocalCloudProvider, cloud_node_host
 from controlplane.identities import Identities
 from dsec import httpkit
-from dsec.cli.up import LocalPool
 from dsec.client import Client
 from dsec.httpkit import Api, ServerLimits, body_chunks, new_app, read_model
+from dsec.launch.local import LocalPool
 from dsec.processes import dsec_argv
 from dsec.sync_client import SyncClient
 from dsec.tls import (

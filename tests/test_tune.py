@@ -14,7 +14,7 @@ from conftest import STARTED_POOLS, make_spec, pool_containers
 from inprocess import inprocess_controlplane
 from test_sweep import short_trace
 
-from bench.generate import generate
+from bench.generate import generate, summarize
 from bench.sim.profile import Profile
 from bench.tune import (
     TARGETS,
@@ -31,7 +31,7 @@ from bench.tune import (
 from dsec.cli import main
 from dsec.models import PoolParams, PoolPatch
 from dsec.processes import dsec_argv
-from dsec.trace import Episode, Step
+from dsec.trace import Episode, Step, load_trace
 
 BASELINES = {"cold", "hpa", "keda", "kpa", "static"}
 
@@ -174,12 +174,11 @@ def test_tune_finds_the_cheapest_setting_meeting_the_target_and_compares_it(
     assert (out / "pareto.png").read_bytes().startswith(b"\x89PNG")
     report = (out / "tune.md").read_text()
     assert result["pool_set"] in report and "| static |" in report
-    # a line on stderr per simulation, while it runs: how far, and about how long to go
+    # a progress bar on stderr of the simulations, against the most it may run
     ran = result["simulation"]["runs"]
-    progress = [line for line in err.splitlines() if " simulation " in line]
-    assert len(progress) == ran
     expected = 12 + 3 * (2 - 1) + len(BASELINES) + 1  # budget, confirmations, comparisons
-    assert progress[-1].startswith(f"dsec bench tune: simulation {ran} of at most {expected}, ")
+    bar = [line for line in err.replace("\r", "\n").splitlines() if "tune: simulations" in line]
+    assert f"| 0/{expected} " in bar[0] and f"| {ran}/{expected} " in bar[-1], bar
 
 
 def test_calibrate_measures_the_profile_first_and_the_search_uses_it(
@@ -306,6 +305,18 @@ def test_a_trace_that_fails_validation_names_its_line_and_reason(tmp_path, capsy
     code, _, err = tune(path, tmp_path, capsys, "--target", "p99_ms=500")
     assert code == 2
     assert f"{path} line 2: arrival_s: Input should be greater than or equal to 0" in err, err
+
+
+def test_a_trace_whose_peak_exceeds_the_nodes_is_refused_before_any_search(trace, tmp_path, capsys):
+    peak = int(summarize(load_trace(trace))["peak_concurrency"])
+    code = main(["bench", "tune", "--trace", str(trace), "--nodes", "1", "--slots-per-node",
+                 str(peak - 1), "--no-live", "--out", str(tmp_path / "tune"), "--json",
+                 "--target", "p99_ms=500"])  # fmt: skip
+    captured = capsys.readouterr()
+    assert code == 2 and captured.out == ""
+    assert f"its peak is {peak} sandboxes at once, more than the {peak - 1} slots" in captured.err
+    assert "simulations" not in captured.err  # said first: nothing was simulated
+    assert len(captured.err.strip().splitlines()) == 1
 
 
 @pytest.mark.docker

@@ -2,7 +2,7 @@
 
 The pieces are the live ones: the scheduler as `controlplane.scheduler.build_scheduler`
 makes it for the HTTP app, with its view, queues and metrics, the same policy objects
-(`dsec.baselines.make_policy`), `Leases.acquire` / `Leases.release`, which the HTTP
+(`dsec.policies.make_policy`), `Leases.acquire` / `Leases.release`, which the HTTP
 handlers call live, and the heartbeat path (`Scheduler.on_report`), through which the
 simulated agents report every second as live ones do. What is simulated: time (a
 virtual-time event loop), the agents and Docker (durations drawn from a profile), and
@@ -32,10 +32,11 @@ from bench.sim.ticks import SHARE, Ticks
 from controlplane.config import ControlPlaneConfig
 from controlplane.metrics import ControlPlaneMetrics
 from controlplane.scheduler import build_scheduler
-from dsec.baselines import make_policy
 from dsec.httpkit import ApiError
 from dsec.models import AcquireRequest, PoolParams
+from dsec.policies import make_policy
 from dsec.policy import Resources
+from dsec.progress import progress_bar
 from dsec.states import ASSIGNED, OCCUPYING
 from dsec.states import SandboxState as S
 from dsec.trace import Episode
@@ -292,14 +293,12 @@ def _by_label(metrics: ControlPlaneMetrics, name: str, label: str) -> dict[str, 
 
 
 def _progress(progress, total_s: float) -> Callable[[float | None], None]:
-    """A progress bar over simulated time (tqdm), a callback, or nothing."""
+    """A progress bar over simulated time, a callback, or nothing."""
     if callable(progress):
         return lambda t: progress(t) if t is not None else None
     if not progress:
         return lambda t: None
-    from tqdm import tqdm
-
-    bar = tqdm(total=round(total_s), unit="sim s", desc="simulating", leave=False)
+    bar = progress_bar(round(total_s), "simulating", "sim s", leave=False)
 
     def update(t: float | None) -> None:
         if t is None:

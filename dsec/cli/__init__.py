@@ -26,10 +26,10 @@ import logging
 import os
 import sys
 
-from dsec.cli.common import UsageError, format_table
+from dsec.cli.common import UsageError
 from dsec.processes import interrupt_on_termination
 
-__all__ = ["UsageError", "build_parser", "format_table", "main"]
+__all__ = ["UsageError", "build_parser", "main"]
 
 # Each command's topic module, in the order help lists them (tests/test_cli_sandbox.py checks
 # this against what each topic registers).

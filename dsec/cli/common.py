@@ -1,4 +1,5 @@
-"""What the commands share: the usage error, credentials from the environment, tables."""
+"""What the commands share: the usage error, credentials from the environment, tables of
+settings and states."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from pydantic import BaseModel, ValidationError
 
 from dsec.addresses import check_advertise_url
 from dsec.models import validation_details
+from dsec.tables import format_table
 
 DEFAULT_STATE_DIR = Path.home() / ".dsec"
 DASHBOARD_HINT = (
@@ -20,12 +22,6 @@ DASHBOARD_HINT = (
 
 class UsageError(Exception):
     """Bad input on the command line: printed as one line, exit code 2."""
-
-
-def format_table(headers: list[str], rows: list[list[object]]) -> str:
-    cells = [headers] + [[str(c) for c in row] for row in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in cells)
 
 
 def settings_table(model: BaseModel, heading: str) -> str:

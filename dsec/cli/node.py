@@ -8,10 +8,11 @@ import argparse
 import asyncio
 import time
 
-from dsec.cli.common import UsageError, format_table
+from dsec.cli.common import UsageError
 from dsec.cli.remote import ADMIN_TOKENS, add_connection_args, run_remote
 from dsec.client import Client, DsecError
 from dsec.models import NodeInfo
+from dsec.tables import format_table
 
 WAIT_POLL_S = 0.5
 

@@ -12,8 +12,8 @@ import sys
 
 from pydantic import BaseModel, ValidationError
 
-from dsec.baselines import POLICIES
 from dsec.plan import SIM_AUTO_MAX_IN_FLIGHT, PlanInput, PlanResult, SimulateSettings, plan
+from dsec.policies import POLICIES
 
 # (figure, label, unit, format) in the order the table prints them.
 _TABLE_ROWS: tuple[tuple[str, str, str, str], ...] = (
@@ -247,7 +247,7 @@ def run_plan(args: argparse.Namespace) -> int:
             # imported here: the simulator is the bench's, and slow to import
             from bench.plan_check import check_plan, render_check
 
-            check = check_plan(result, settings, on_run=_print_run)
+            check = check_plan(result, settings, on_run=_print_run, progress=True)
     except ValidationError as error:
         print(f"dsec plan: {_describe(error)}", file=sys.stderr)
         return 2

@@ -11,11 +11,12 @@ import json
 import re
 import sys
 
-from dsec.cli.common import format_table, settings_table, state_counts
+from dsec.cli.common import settings_table, state_counts
 from dsec.cli.pool import parse_assignment
 from dsec.cli.remote import ADMIN_TOKENS, add_connection_args, run_remote
 from dsec.client import Client
 from dsec.models import NAME_PATTERN, TemplateFields, TemplateInfo
+from dsec.tables import format_table
 
 
 def _show(info: TemplateInfo, as_json: bool) -> None:
@@ -101,6 +102,7 @@ def cmd_template_build(args: argparse.Namespace) -> int:
             pip=words(args.pip),
             dockerfile=args.dockerfile,
             image=args.image,
+            progress=True,
         )
     except TemplateBuildError as e:
         print(f"dsec template build: {e}", file=sys.stderr)

@@ -34,7 +34,6 @@ from bench.sim.profile import Profile
 from controlplane.agents import AgentAddress, CallResult
 from controlplane.config import ControlPlaneConfig
 from controlplane.scheduler import Scheduler, build_scheduler
-from dsec.baselines import Policy, make_policy
 from dsec.image import BASE_IMAGE
 from dsec.models import (
     AcquireRequest,
@@ -48,6 +47,7 @@ from dsec.models import (
     ResetSandbox,
     TemplateSpec,
 )
+from dsec.policies import Policy, make_policy
 from dsec.policy import Action, Resources, Snapshot
 from dsec.states import SandboxState
 from dsec.tokens import client_id
