@@ -23,9 +23,9 @@ import asyncio
 import contextlib
 import logging
 import secrets
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from agent.audit import AuditRecord, quoted_cmd
 from agent.docker_driver import (
@@ -46,7 +46,13 @@ from dsec.models import ExecExit, ExecRequest, ExecResult, ExecStreamRequest
 from dsec.tokens import lease_token_claim, lease_token_expiry
 
 if TYPE_CHECKING:
-    from agent.node import Agent
+    from agent.config import AgentConfig
+    from agent.docker_driver import AsyncDocker
+    from agent.metrics import AgentMetrics
+    from agent.resident import Resident
+    from dsec.clock import Clock
+    from dsec.models import NodeIdentity
+    from dsec.tokens import LeaseClaim
 
 log = logging.getLogger(__name__)
 MARKER_ENV = "DSEC_EXEC"  # names a command's processes, for its kill
@@ -101,63 +107,98 @@ def tenant_of(sandbox: Sandbox) -> str:
     return sandbox.record.owner or sandbox.id
 
 
+class Leases(Protocol):
+    """What commands need of the node's sandboxes and their leases (agent/node.py's
+    `Agent` is one), so that this module never imports the node that runs it."""
+
+    @property
+    def identity(self) -> NodeIdentity | None: ...  # None until it has joined
+
+    @property
+    def sandboxes(self) -> Mapping[str, Sandbox]: ...
+
+    def get(self, sandbox_id: str) -> Sandbox: ...
+
+    def adoption_refused(self, sandbox: Sandbox, claim: LeaseClaim | None) -> ApiError | None: ...
+
+    async def adopt(self, sandbox: Sandbox, claim: LeaseClaim) -> None: ...
+
+    async def thaw_locked(self, sandbox: Sandbox, work: Work) -> None: ...
+
+
 class Execs:
-    def __init__(self, agent: Agent) -> None:
-        self.agent = agent
+    def __init__(
+        self,
+        *,
+        leases: Leases,
+        resident: Resident,
+        docker: AsyncDocker,
+        docker_failed: Callable[[DockerOpError], None],
+        audit: Callable[[AuditRecord], Awaitable[None]],
+        config: AgentConfig,
+        clock: Clock,
+        metrics: AgentMetrics,
+    ) -> None:
+        self.leases = leases
+        self.resident = resident
+        self.docker = docker
+        self.docker_failed = docker_failed
+        self.audit = audit
+        self.config = config
+        self.clock = clock
+        self.metrics = metrics
         self.running = 0  # commands under way on this node
-        self.output = OutputBudget(agent.config.output_budget_bytes)
-        metrics = agent.metrics
-        metrics.output_buffered.labels(agent.config.node_id).set_function(lambda: self.output.used)
-        self.relayed = metrics.output_relayed.labels(agent.config.node_id)
-        self.throttled = metrics.output_throttled.labels(agent.config.node_id)
+        self.output = OutputBudget(config.output_budget_bytes)
+        metrics.output_buffered.labels(config.node_id).set_function(lambda: self.output.used)
+        self.relayed = metrics.output_relayed.labels(config.node_id)
+        self.throttled = metrics.output_throttled.labels(config.node_id)
 
     async def hold(self, sandbox_id: str, token: str | None) -> tuple[Sandbox, str]:
         """`authorize`, once the lease `token` proves by itself is taken up: the control
         plane answers a warm acquire before this node hears of the lease, and the
         client's first call may come before the control plane's grant."""
-        agent = self.agent
-        sandbox = agent.get(sandbox_id)
-        if sandbox.record.lease_id is None and token is not None and agent.identity:
-            claim = lease_token_claim(agent.identity.lease_key, token, sandbox_id)
-            if claim is not None and agent.adoption_refused(sandbox, claim) is None:
-                await agent.adopt(sandbox, claim)
+        leases = self.leases
+        sandbox = leases.get(sandbox_id)
+        if sandbox.record.lease_id is None and token is not None and leases.identity:
+            claim = lease_token_claim(leases.identity.lease_key, token, sandbox_id)
+            if claim is not None and leases.adoption_refused(sandbox, claim) is None:
+                await leases.adopt(sandbox, claim)
         return self.authorize(sandbox_id, token)
 
     def authorize(self, sandbox_id: str, token: str | None) -> tuple[Sandbox, str]:
         """The sandbox and its lease, if `token` holds that lease (files use it too)."""
-        agent = self.agent
-        sandbox = agent.get(sandbox_id)
+        leases = self.leases
+        sandbox = leases.get(sandbox_id)
         if token is None:
             raise CredentialRefused(
                 401, "unauthenticated", "missing Authorization: Bearer <lease token>"
             )
-        if agent.identity is None:  # it has not joined yet: it cannot check a token
+        identity = leases.identity
+        if identity is None:  # it has not joined yet: it cannot check a token
             raise ApiError(
-                503, "not_joined", f"node {agent.config.node_id} is joining its control plane"
+                503, "not_joined", f"node {self.config.node_id} is joining its control plane"
             )
         lease_id = sandbox.record.lease_id
         if lease_id is None:  # (`hold` took up the lease the token proves, if it could)
-            claim = lease_token_claim(agent.identity.lease_key, token, sandbox_id)
-            raise agent.adoption_refused(sandbox, claim) or ApiError(
+            claim = lease_token_claim(identity.lease_key, token, sandbox_id)
+            raise leases.adoption_refused(sandbox, claim) or ApiError(
                 409, "not_leased", f"sandbox {sandbox_id} is not leased"
             )
         # made with this node's lease key for this sandbox, lease and client, or refused
         owner = sandbox.record.owner
-        expires_at = lease_token_expiry(
-            agent.identity.lease_key, token, sandbox_id, lease_id, owner
-        )
+        expires_at = lease_token_expiry(identity.lease_key, token, sandbox_id, lease_id, owner)
         if expires_at is None:
             raise CredentialRefused(
                 403, "forbidden", f"this token does not hold the lease on {sandbox_id}"
             )
-        if expires_at <= agent.clock.wall():
+        if expires_at <= self.clock.wall():
             raise ApiError(410, "lease_expired", f"the lease on {sandbox_id} has expired")
         return sandbox, lease_id
 
     def admit(self, sandbox: Sandbox) -> None:
         """Refuse a command past the sandbox's or the node's limit (429), before any
         answer has started, so the client can retry."""
-        config = self.agent.config
+        config = self.config
         if sandbox.running_execs >= config.execs_per_sandbox:
             raise ApiError(
                 429,
@@ -182,17 +223,17 @@ class Execs:
         async with sandbox.lock:  # a frozen lease is thawed before the command runs
             if sandbox.record.lease_id != lease_id:  # released (or recycled) meanwhile
                 raise ApiError(410, "released", f"the lease on {sandbox.id} has ended")
-            await self.agent.thaw_locked(sandbox, Work.CLIENT)
+            await self.leases.thaw_locked(sandbox, Work.CLIENT)
             self.admit(sandbox)  # others may have started while the lock was waited for
             sandbox.running_execs += 1
             self.running += 1
-        started = self.agent.clock.now()
+        started = self.clock.now()
         try:
             yield
         finally:
             sandbox.running_execs -= 1
             self.running -= 1
-            ended = self.agent.clock.now()
+            ended = self.clock.now()
             sandbox.busy_s += ended - started
             sandbox.last_active = ended
 
@@ -271,14 +312,13 @@ class Execs:
     ) -> Outcome:
         """`sink` gets the output; with `keeps`, it keeps what it gets, which stays in
         `held`, else each chunk is given back once the sink has taken it."""
-        agent = self.agent
         sandbox, lease_id = await self.hold(sandbox_id, token)
         self.admit(sandbox)
-        asked = agent.clock.now()
+        asked = self.clock.now()
         cmd, cmd_truncated = quoted_cmd(req.cmd)
         record = AuditRecord(
-            time=agent.clock.wall(),
-            node=agent.config.node_id,
+            time=self.clock.wall(),
+            node=self.config.node_id,
             sandbox=sandbox_id,
             lease_id=lease_id,
             pool=sandbox.record.pool,
@@ -293,19 +333,17 @@ class Execs:
                 outcome = await self._command(sandbox, req, sink, held, keeps, on_started, attach)
         except (ApiError, asyncio.CancelledError, ConnectionError) as e:
             record.error = e.code if isinstance(e, ApiError) else "cancelled"
-            record.duration_ms = (agent.clock.now() - asked) * 1000
+            record.duration_ms = (self.clock.now() - asked) * 1000
             # shielded: a client that hung up still leaves its record
-            await asyncio.shield(agent.audit_record(record))
+            await asyncio.shield(self.audit(record))
             raise
         finally:
-            agent.metrics.exec_seconds.labels(agent.config.node_id).observe(
-                agent.clock.now() - asked
-            )
+            self.metrics.exec_seconds.labels(self.config.node_id).observe(self.clock.now() - asked)
         record.exit_code, record.timed_out = outcome.exit_code, outcome.timed_out
         record.duration_ms, record.truncated = outcome.duration_ms, outcome.truncated
         record.stdout_bytes = outcome.sent.get(1, 0)
         record.stderr_bytes = outcome.sent.get(2, 0)
-        await agent.audit_record(record)
+        await self.audit(record)
         return outcome
 
     async def _command(
@@ -318,7 +356,7 @@ class Execs:
         on_started: Callable[[RunningCommand], None] | None,
         attach: ExecStreamRequest | None,
     ) -> Outcome:
-        agent, cid = self.agent, sandbox.record.container_id
+        cid = sandbox.record.container_id
         marker = secrets.token_hex(16)
         # the template's environment, under what the command sets itself
         env = {**sandbox.spec.env, **req.env, **_terminal_env(attach), MARKER_ENV: marker}
@@ -330,15 +368,15 @@ class Execs:
             # a loop whose exec is starting is there in a moment: the command takes it
             # rather than an engine exec of its own
             await sandbox.loop_started()
-            proc = await agent.resident.start(sandbox, req.cmd, env, workdir)
+            proc = await self.resident.start(sandbox, req.cmd, env, workdir)
         # the deadline counts from here: an engine start's look at runc's first answer
         # (_engine_start) is time the command already runs
-        started = agent.clock.now()
+        started = self.clock.now()
         if proc is None:
             how = {"user": sandbox.user, "env": env, "workdir": req.workdir}
             try:
                 if stdin:  # the client's input may be what its first output waits for
-                    proc = await agent.docker.start(
+                    proc = await self.docker.start(
                         cid, req.cmd, stdin=True, tty=attach is not None and attach.tty, **how
                     )
                 else:
@@ -379,7 +417,7 @@ class Execs:
                 if on_started is not None:
                     on_started(proc)
             try:
-                async with asyncio.timeout(req.timeout_s - (agent.clock.now() - started)):
+                async with asyncio.timeout(req.timeout_s - (self.clock.now() - started)):
                     await pump()
             except TimeoutError:
                 timed_out = True
@@ -402,7 +440,7 @@ class Execs:
             exit_code=code,
             timed_out=timed_out,
             truncated=truncated,
-            duration_ms=(agent.clock.now() - started) * 1000,
+            duration_ms=(self.clock.now() - started) * 1000,
             sent=sent,
         )
 
@@ -411,12 +449,12 @@ class Execs:
         template's CPUs times relay_bytes_per_cpu_s."""
         rate = sandbox.relay_rate
         if rate is None:
-            per_s = sandbox.spec.cpus * self.agent.config.relay_bytes_per_cpu_s
+            per_s = sandbox.spec.cpus * self.config.relay_bytes_per_cpu_s
             rate = sandbox.relay_rate = RelayRate(per_s)
         self.relayed.inc(size)
-        if delay := rate.delay(size, self.agent.clock.now()):
+        if delay := rate.delay(size, self.clock.now()):
             self.throttled.inc(delay)
-            await self.agent.clock.sleep(delay)
+            await self.clock.sleep(delay)
 
     async def _engine_start(self, container_id: str, argv: list[str], **how) -> Process:
         """The command through the engine's exec. A sandbox at its pids limit can make
@@ -424,7 +462,7 @@ class Execs:
         again, a few times, while the engine says it ran no process: the command never
         ran, so it never runs twice. The last try's answer, whatever it is, is the
         command's."""
-        docker = self.agent.docker
+        docker = self.docker
         for tries in range(1, ENGINE_START_TRIES):
             proc = await docker.start(container_id, argv, **how)
             first = await proc.first_within(RUNC_ANSWERS_WITHIN_S)
@@ -433,7 +471,7 @@ class Execs:
                 return proc
             await proc.read()  # the failure's message, looked at: taken
             await proc.close()
-            await self.agent.clock.sleep(ENGINE_RESTART_AFTER_S * tries)
+            await self.clock.sleep(ENGINE_RESTART_AFTER_S * tries)
         return await docker.start(container_id, argv, **how)
 
     async def _exit_code(self, proc: RunningCommand) -> int:
@@ -441,18 +479,18 @@ class Execs:
             try:
                 code = await proc.exit_code()
             except DockerOpError as e:
-                self.agent.docker_failed(e)
+                self.docker_failed(e)
                 break
             if code is not None:
                 return code
-            await self.agent.clock.sleep(0.01)
+            await self.clock.sleep(0.01)
         return TIMEOUT_EXIT_CODE  # its output ended, its exit was never recorded
 
     async def _kill(self, container_id: str, marker: str, sandbox: Sandbox) -> None:
         """Kill a command's processes: from the host, else inside its sandbox (see
         KILL_SCRIPT)."""
         try:
-            pid = await self.agent.docker.init_pid(container_id)
+            pid = await self.docker.init_pid(container_id)
             if pid is not None:
                 entry = f"{MARKER_ENV}={marker}".encode()
                 if left := await kill_command_from_host(pid, container_id, entry):
@@ -461,20 +499,19 @@ class Execs:
         except Unavailable as e:
             log.debug("a command in %s is killed through the engine: %s", sandbox.id, e)
         except DockerOpError as e:
-            self.agent.docker_failed(e)
+            self.docker_failed(e)
         kill = ["sh", "-c", KILL_SCRIPT, "dsec-kill", marker]
         try:
             async with asyncio.timeout(KILL_TIMEOUT_S):
-                await self.agent.docker.run("exec_kill", container_id, kill, user=sandbox.user)
+                await self.docker.run("exec_kill", container_id, kill, user=sandbox.user)
         except (DockerOpError, TimeoutError) as e:
             # no shell in the image, or a frozen engine: the stream is cut all the same,
             # and what still runs stays inside the sandbox until it goes
             log.warning("could not kill a command in %s: %s", sandbox.id, e)
 
     async def _failure(self, sandbox: Sandbox, e: DockerOpError) -> ApiError:
-        agent = self.agent
-        agent.docker_failed(e)
-        if sandbox.id not in agent.sandboxes:
+        self.docker_failed(e)
+        if sandbox.id not in self.leases.sandboxes:
             return ApiError(410, "released", f"sandbox {sandbox.id} was released")
         if await self._stopped(sandbox):
             return _exited(sandbox.id)
@@ -482,7 +519,7 @@ class Execs:
 
     async def _stopped(self, sandbox: Sandbox) -> bool:
         try:
-            return not await self.agent.docker.running(sandbox.record.container_id)
+            return not await self.docker.running(sandbox.record.container_id)
         except DockerOpError as e:
-            self.agent.docker_failed(e)
+            self.docker_failed(e)
             return False  # cannot tell: the command's own result is the answer

@@ -42,17 +42,14 @@ import zlib
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from functools import partial
-from typing import TYPE_CHECKING, TypeVar
+from typing import TypeVar
 
-from agent.docker_driver import DockerOpError
+from agent.docker_driver import AsyncDocker, DockerOpError
 from agent.host import in_own_thread, open_in_container
 from agent.sandboxes import Sandbox
 from agent.users import numeric_user
 from dsec.httpkit import ApiError
 from dsec.models import FileInfo, FileList, FileType
-
-if TYPE_CHECKING:
-    from agent.node import Agent
 
 T = TypeVar("T")
 MAX_PATH = 4096
@@ -634,8 +631,9 @@ class _Stopped(Exception):
 
 
 class Files:
-    def __init__(self, agent: Agent) -> None:
-        self.agent = agent
+    def __init__(self, docker: AsyncDocker, docker_failed: Callable[[DockerOpError], None]) -> None:
+        self.docker = docker
+        self.docker_failed = docker_failed
 
     def roots(self, sandbox: Sandbox) -> tuple[str, ...]:
         return (sandbox.spec.workdir, "/tmp")
@@ -647,9 +645,9 @@ class Files:
         for cached in (True, False):
             if not cached or sandbox.init_pid is None:
                 try:
-                    sandbox.init_pid = await self.agent.docker.init_pid(container_id)
+                    sandbox.init_pid = await self.docker.init_pid(container_id)
                 except DockerOpError as e:
-                    self.agent.docker_failed(e)
+                    self.docker_failed(e)
                     raise ApiError(502, f"docker_{e.kind}", str(e)) from e
             if sandbox.init_pid is None:
                 break

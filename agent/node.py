@@ -111,9 +111,18 @@ class Agent:
         # its credentials, once it has joined its control plane (agent/runtime.py join)
         self.identity: NodeIdentity | None = None
         self.operations: set[asyncio.Task] = set()  # see to_completion()
-        self.execs = Execs(self)
-        self.files = Files(self)
-        self.resident = Resident(self)
+        self.resident = Resident(config, docker, clock, self.docker_failed, self.operations)
+        self.files = Files(docker, self.docker_failed)
+        self.execs = Execs(
+            leases=self,
+            resident=self.resident,
+            docker=docker,
+            docker_failed=self.docker_failed,
+            audit=self.audit_record,
+            config=config,
+            clock=clock,
+            metrics=metrics,
+        )
         self.uids = config.sandbox_uids
 
     async def to_completion(self, op: Coroutine[Any, Any, T]) -> T:

@@ -61,7 +61,15 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from agent.docker_driver import KEEPER_USER, LOOP_USER, STDERR, STDOUT, DockerOpError, Process
+from agent.docker_driver import (
+    KEEPER_USER,
+    LOOP_USER,
+    STDERR,
+    STDOUT,
+    AsyncDocker,
+    DockerOpError,
+    Process,
+)
 from agent.docker_driver import RESIDENT_MOUNT as MOUNT
 from agent.engine import Work
 from agent.host import LoopProcess
@@ -70,8 +78,9 @@ from dsec.image import ImageBuildError, find_static_busybox
 from dsec.states import SandboxState
 
 if TYPE_CHECKING:
-    from agent.node import Agent
+    from agent.config import AgentConfig
     from agent.sandboxes import Sandbox
+    from dsec.clock import Clock
 
 log = logging.getLogger(__name__)
 RESTART_AFTER_S = 10.0  # a loop that is not there is started again at most this often
@@ -395,12 +404,22 @@ class Resident:
     """The node's resident loops: their directories, starting them, and starting
     commands through them."""
 
-    def __init__(self, agent: Agent) -> None:
-        self.agent = agent
-        self.root = agent.config.state_dir / f"{agent.config.node_id}-resident"
+    def __init__(
+        self,
+        config: AgentConfig,
+        docker: AsyncDocker,
+        clock: Clock,
+        docker_failed: Callable[[DockerOpError], None],
+        operations: set[asyncio.Task],
+    ) -> None:
+        self.docker = docker
+        self.clock = clock
+        self.docker_failed = docker_failed
+        self.operations = operations  # the node's, which its shutdown waits for
+        self.root = config.state_dir / f"{config.node_id}-resident"
         # the node's one copy of the loop's shell (beside root: what is in root is
         # sandboxes' directories); None until made, False where there is none
-        self.shell_path = agent.config.state_dir / f"{agent.config.node_id}-resident-sh"
+        self.shell_path = config.state_dir / f"{config.node_id}-resident-sh"
         self.shell: os.stat_result | None | bool = None
         self.starting: set[str] = set()  # sandboxes whose loop start waits for the engine
         self.running: dict[str, set[ResidentProcess]] = {}  # commands under way, by sandbox
@@ -465,7 +484,7 @@ class Resident:
         after it; None when the image cannot be looked at (say, a restore whose
         template's image is gone)."""
         try:
-            own = await self.agent.docker.image_entrypoint(sandbox.spec.image)
+            own = await self.docker.image_entrypoint(sandbox.spec.image)
         except DockerOpError:
             return None
         return [f"{MOUNT}/{SHELL}", f"{MOUNT}/boot", *own]
@@ -511,12 +530,11 @@ class Resident:
     def ensure_loop(self, sandbox: Sandbox) -> None:
         """Start the sandbox's loop in the background, unless a start waits for the
         engine already or one ended less than RESTART_AFTER_S ago."""
-        agent = self.agent
         tried = sandbox.resident_tried_at
         if not self.has_loop(sandbox.id):
             return
         if sandbox.id in self.starting or (
-            tried is not None and agent.clock.now() - tried < RESTART_AFTER_S
+            tried is not None and self.clock.now() - tried < RESTART_AFTER_S
         ):
             return
         self.starting.add(sandbox.id)
@@ -525,7 +543,7 @@ class Resident:
         async def start() -> None:
             started = True
             try:
-                pid = await agent.docker.start_detached(
+                pid = await self.docker.start_detached(
                     container_id,
                     [f"{MOUNT}/{SHELL}", f"{MOUNT}/serve"],
                     user=LOOP_USER,
@@ -538,15 +556,15 @@ class Resident:
                 # runs is left for a reset to check (agent/host.py), as it does anyway
                 sandbox.loop = LoopProcess.of(pid) if pid else None
             except DockerOpError as e:  # gone, or no sh: commands take the engine's exec
-                agent.docker_failed(e)
+                self.docker_failed(e)
             finally:
                 self.starting.discard(sandbox.id)
                 if started:  # one not started now may be the next exec's to start
-                    sandbox.resident_tried_at = agent.clock.now()
+                    sandbox.resident_tried_at = self.clock.now()
 
         task = asyncio.ensure_future(start())
-        agent.operations.add(task)
-        task.add_done_callback(agent.operations.discard)
+        self.operations.add(task)
+        task.add_done_callback(self.operations.discard)
 
     async def start(
         self, sandbox: Sandbox, argv: list[str], env: dict[str, str], workdir: str

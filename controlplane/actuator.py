@@ -87,7 +87,7 @@ class Actuator:
 
     def spawn(self, entry: SandboxEntry, coro: Awaitable[None]) -> asyncio.Task:
         """Run one side effect about `entry`; none other starts until it ends."""
-        entry.op_in_flight = True
+        entry.call_started()
         task = asyncio.ensure_future(coro)
         self.tasks.add(task)
         self.ops[entry.id] = task
@@ -145,19 +145,13 @@ class Actuator:
         return result
 
     def failed(self, entry: SandboxEntry, op: str, result: CallResult) -> None:
-        """A call about `entry` failed: back off, so an agent that is down is not asked
-        again on every tick (the snapshot leaves it out until `retry_at`)."""
-        entry.failures += 1
-        entry.retry_at = self.clock.now() + min(30.0, 0.5 * 2**entry.failures)
+        """A call about `entry` failed: it backs off (the snapshot leaves it out until its
+        `retry_at`), counted and logged."""
+        entry.call_failed(self.clock.now())
         self.metrics.agent_call_errors.labels(entry.node, op, result.code).inc()
         log.warning(
             "%s of %s on %s failed: %s %s", op, entry.id, entry.node, result.code, result.message
         )
-
-    def confirmed(self, entry: SandboxEntry, now: float) -> None:
-        entry.op_in_flight = False
-        entry.confirmed_at = now
-        entry.failures = 0
 
     # --- creates ------------------------------------------------------------------
 
@@ -200,11 +194,10 @@ class Actuator:
         now = self.clock.now()
         self.sandbox_seconds.account(now)
         if result.ok:
-            self.confirmed(entry, now)
+            entry.call_confirmed(now)
             self.view.move(entry, SandboxState.WARM, now)
             self.wake()
             return
-        entry.op_in_flight = False
         self.failed(entry, "create", result)
         about_template = result.code in TEMPLATE_REFUSALS
         req = self.queues.get(entry.reserved_for) if entry.reserved_for else None
@@ -240,12 +233,11 @@ class Actuator:
     def _on_destroyed(self, entry: SandboxEntry, result: CallResult) -> None:
         now = self.clock.now()
         self.sandbox_seconds.account(now)
-        entry.op_in_flight = False
         if result.busy_s is not None and result.busy_s > entry.busy_s:
             # what it ran since its node's last heartbeat, which no report will carry
-            self.metrics.busy_seconds.labels(entry.pool).inc(result.busy_s - entry.busy_s)
-            entry.busy_s = result.busy_s
+            self.metrics.busy_seconds.labels(entry.pool).inc(entry.busy_reported(result.busy_s))
         if result.ok or result.gone:
+            entry.call_confirmed(now)
             self.view.move(entry, SandboxState.GONE, now)
             self.view.forget(entry.id)
         else:
@@ -268,7 +260,7 @@ class Actuator:
     def recycle(self, entry: SandboxEntry, lease_id: str, now: float) -> asyncio.Task | None:
         """Reset a sandbox released from `lease_id` and put it back in the warm pool (a
         pool with `recycle` on, a template that allows it; `Leases.release` has cleared
-        its lease fields, so its token is void while the agent works). The agent kills
+        its lease, so its token is void while the agent works). The agent kills
         every process but the template's own, empties the work dir, /tmp and /dev/shm and
         checks; a reset that fails or does not check out is removed, never handed out."""
         if entry.op_in_flight:
@@ -285,13 +277,11 @@ class Actuator:
         now = self.clock.now()
         self.sandbox_seconds.account(now)
         if result.ok:
-            self.confirmed(entry, now)
+            entry.call_confirmed(now)
             self.view.move(entry, SandboxState.WARM, now)
-            entry.frozen_at = None
-            entry.idle_since = now
+            entry.recycled(now)
             self.wake()
             return
-        entry.op_in_flight = False
         self.failed(entry, "reset", result)
         self.destroy(entry, now, "destroy")  # not clean, or not known to be: it goes
         self.wake()
@@ -310,15 +300,14 @@ class Actuator:
             now = self.clock.now()
             self.sandbox_seconds.account(now)
             if result.ok:
-                self.confirmed(entry, now)
+                entry.call_confirmed(now)
                 self.view.move(entry, new_state, now)
                 if verb == "pause":
-                    entry.frozen_at = now
+                    entry.frozen(now)
                 elif verb == "unpause":
-                    entry.frozen_at = None
+                    entry.thawed()
                 self.metrics.scale_events.labels(entry.pool, event).inc()
             else:
-                entry.op_in_flight = False
                 self.failed(entry, verb, result)
             self.wake()
 

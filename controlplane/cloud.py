@@ -5,22 +5,19 @@ give back (ReleaseCloud); a provider turns that into machines. `LocalCloudProvid
 starts extra agents marked `cloud` on this machine, after a boot delay, so overflow
 can be exercised without a cloud account; `RayNodes` (controlplane/ray_cloud.py, the
 `ray` extra) runs the pool's nodes on a Ray cluster and asks Ray's autoscaler for cloud
-nodes. The control plane's config picks one by its `cloud.provider`.
+nodes. The control plane's config picks one by its `cloud.provider` (their settings,
+CloudConfig and RayConfig, are in controlplane/config.py).
 """
 
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import logging
 import signal
-from pathlib import Path
-from typing import Annotated, Literal, Protocol
+from typing import Protocol
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
-
+from controlplane.config import CloudConfig, RayConfig
 from controlplane.identities import Identities
-from dsec.models import Capacity, Name
 from dsec.processes import (
     agent_args,
     child_env,
@@ -37,78 +34,6 @@ log = logging.getLogger(__name__)
 def cloud_node_host(index: int) -> str:
     """Where the `index`th (from 1) local cloud node listens."""
     return f"127.0.1.{index}"
-
-
-class NodeSettings(BaseModel):
-    """What every provider gives the agents it starts, and when it gives a node back."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    idle_release_s: float = Field(
-        60.0, gt=0, le=86_400, description="a cloud node empty this long is given back"
-    )
-    capacity: Capacity = Capacity(cpus=16, memory_mb=65536, slots=64)
-    state_dir: Path = Path.home() / ".dsec" / "cloud"
-    heartbeat_s: float = Field(1.0, gt=0, le=60)
-
-
-class CloudConfig(NodeSettings):
-    """Cloud nodes as agent processes on this machine's 127.0.1.x (LocalCloudProvider)."""
-
-    provider: Literal["local"] = "local"
-    max_nodes: int = Field(ge=1, le=200)
-    node_prefix: Name = "cloud"
-    boot_delay_s: float = Field(2.0, ge=0, le=3600)
-
-
-# a Ray node's id is "<prefix>-<12 hex of its Ray node id>": a Name, 32 characters at most
-RAY_NODE_PREFIX = r"^[a-z0-9][a-z0-9-]{0,18}$"
-
-
-class RayConfig(NodeSettings):
-    """The pool on a Ray cluster (RayNodes, controlplane/ray_cloud.py): an agent on every
-    node that offers `node_resource`; cloud nodes, those that also offer
-    `cloud_resource`, asked of Ray's autoscaler when local utilisation passes the
-    overflow threshold."""
-
-    provider: Literal["ray"]
-    address: str = Field("auto", description="the Ray cluster, as ray.init takes it")
-    namespace: str = Field("dsec", min_length=1, description="the Ray namespace of its actors")
-    node_resource: str = Field(
-        "dsec_node", min_length=1, description="the resource a Ray node offers to be a sandbox node"
-    )
-    cloud_resource: str = Field(
-        "dsec_cloud",
-        min_length=1,
-        description="the resource a node type of the autoscaler offers to be a cloud node",
-    )
-    node_prefix: str = Field("ray", pattern=RAY_NODE_PREFIX)
-    max_nodes: int = Field(
-        0, ge=0, le=200, description="cloud nodes the autoscaler may be asked for (0: none)"
-    )
-    poll_s: float = Field(1.0, gt=0, le=60, description="how often the cluster's nodes are listed")
-    agent_restarts: int = Field(
-        -1, ge=-1, description="how often Ray restarts a node's agent that died (-1: always)"
-    )
-
-    @model_validator(mode="after")
-    def _ray_installed(self) -> RayConfig:
-        if importlib.util.find_spec("ray") is None:
-            raise ValueError("the ray provider needs Ray: pip install 'dsec[ray]'")
-        return self
-
-
-def _provider(data: object) -> str:
-    if isinstance(data, dict):
-        return data.get("provider", "local")
-    return getattr(data, "provider", "local")
-
-
-# the control plane's `cloud` setting: {"provider": "ray", ...}, else the local provider
-CloudSettings = Annotated[
-    Annotated[CloudConfig, Tag("local")] | Annotated[RayConfig, Tag("ray")],
-    Discriminator(_provider),
-]
 
 
 class CloudProvider(Protocol):

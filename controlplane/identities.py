@@ -39,7 +39,7 @@ import re
 from dataclasses import dataclass
 from ipaddress import IPv4Network, IPv6Network, ip_address, ip_network
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import Annotated, Protocol
 from urllib.parse import urlsplit
 
 from pydantic import AfterValidator
@@ -48,9 +48,6 @@ from dsec.httpkit import ApiError
 from dsec.models import NodeIdentity, SandboxRow
 from dsec.statedir import private_dir, write_private
 from dsec.tokens import derive, new_token
-
-if TYPE_CHECKING:
-    from controlplane.config import ControlPlaneConfig
 
 KEY_FILE = "controlplane.key"
 SCHEMES = ("http", "https")
@@ -66,6 +63,14 @@ LOOPBACK_AGENT_URLS = (
 _HOST_NAME = re.compile(r"^[a-z0-9]([a-z0-9.-]{0,251}[a-z0-9])?$")
 
 
+class IdentitySettings(Protocol):
+    """The settings every node's credentials derive from: ControlPlaneConfig's, which
+    imports this module (so this one names only what it reads)."""
+
+    identity_key: str
+    agent_token: str
+
+
 class Identities:
     """Every node's credentials, computed from the control plane's key when asked."""
 
@@ -77,7 +82,7 @@ class Identities:
         self._lease_keys: dict[str, str] = {}
 
     @classmethod
-    def of(cls, config: ControlPlaneConfig) -> Identities:
+    def of(cls, config: IdentitySettings) -> Identities:
         return cls(config.identity_key, config.agent_token)
 
     def node_token(self, node_id: str) -> str:

@@ -91,31 +91,24 @@ class Leases:
         # if the grant is not there yet (dsec/tokens.py). A frozen one waits for its
         # agent to thaw it, and one its agent may have lost for the grant's answer.
         at_once = entry.state == SandboxState.WARM and self.view.vouched_warm(entry, now)
-        self.view.move(entry, SandboxState.LEASED, now)
-        self.view.set_pool(entry, req.pool)  # a higher-priority pool may have taken it over
-        entry.frozen_at = None
-        entry.idle_since = now
-        entry.leased_at, entry.renewed_at = now, None
-        entry.lease_expires_at = self._token_deadline(req.pool)
-        entry.lease_id = new_lease_id()
-        entry.idempotency_key = req.idempotency_key
-        entry.owner = req.owner
-        entry.labels = dict(req.labels)
-        entry.reserved_for = None
-        req.claimed = True
-        if action.path == "thaw":
-            self.metrics.scale_events.labels(entry.pool, "thaw").inc()
+        lease_id = new_lease_id()
         grant = LeaseGrant(
-            lease_id=entry.lease_id,
+            lease_id=lease_id,
             pool=req.pool,
             idempotency_key=req.idempotency_key,
             owner=req.owner,
             labels=req.labels,
             request_id=req.id,
             grant_proof=self.identities.grant_proof(
-                entry.node, entry.id, entry.lease_id, req.owner, req.idempotency_key, req.pool
+                entry.node, entry.id, lease_id, req.owner, req.idempotency_key, req.pool
             ),
         )
+        self.view.move(entry, SandboxState.LEASED, now)
+        self.view.set_pool(entry, req.pool)  # a higher-priority pool may have taken it over
+        entry.granted(grant, self._token_deadline(req.pool), now)
+        req.claimed = True
+        if action.path == "thaw":
+            self.metrics.scale_events.labels(entry.pool, "thaw").inc()
 
         async def run() -> None:
             if req.scoped_key:  # on disk first: a restart mid-call still knows the key's
@@ -141,9 +134,8 @@ class Leases:
         now = self.clock.now()
         if served:
             if result.ok:
-                self.actuator.confirmed(entry, now)
+                entry.call_confirmed(now)
             else:  # its client holds a lease the node refused: it ends, and it is told why
-                entry.op_in_flight = False
                 self.actuator.failed(entry, "lease", result)
                 self.expire(ExpireLease(entry.id, f"its node refused it ({result.code})"), now)
             return
@@ -151,13 +143,12 @@ class Leases:
             # the key holds nothing after all (the sandbox goes below)
             self.actuator.track(asyncio.ensure_future(self.held_keys.drop(req.scoped_key)))
         if not result.ok:
-            entry.op_in_flight = False
             self.actuator.failed(entry, "lease", result)
             req.claimed = False  # back in the queue, first in line by its arrival time
             self.actuator.destroy(entry, now, "destroy")
             self.wake()
             return
-        self.actuator.confirmed(entry, now)
+        entry.call_confirmed(now)
         if req.done.done():  # its client gave up while the lease was being made
             self.actuator.destroy(entry, now, "destroy")
             return
@@ -185,7 +176,7 @@ class Leases:
         self.expired.add(entry.id, action.reason)
         self.metrics.leases_expired.labels(entry.pool).inc()
         key = scoped_key(entry.owner, entry.idempotency_key)
-        entry.ended = "lease_expired"
+        entry.lease_expired()
 
         async def run() -> None:
             if key:
@@ -203,7 +194,7 @@ class Leases:
         if entry.state not in ASSIGNED or entry.lease_id is None:
             raise ApiError(409, "not_leased", f"sandbox {entry.id} is not leased")
         now = self.clock.now()
-        entry.renewed_at = now
+        entry.renewed(now)
         params = self.config.pools.get(entry.pool)
         ends_in = [
             (entry.leased_at or now) + params.max_lease_s - now
@@ -251,14 +242,12 @@ class Leases:
     def token_of(self, entry: SandboxEntry) -> str:
         """The lease token of `entry`'s lease (dsec/tokens.py): the same every time asked."""
         assert entry.lease_id is not None
-        if entry.lease_expires_at is None:  # a lease learnt from a heartbeat: from now on
-            entry.lease_expires_at = self._token_deadline(entry.pool)
         return lease_token(
             self.identities.lease_key(entry.node),
             entry.id,
             entry.lease_id,
             entry.owner,
-            entry.lease_expires_at,
+            entry.token_expiry(self._token_deadline(entry.pool)),
         )
 
     def _token_deadline(self, pool: str) -> int:
@@ -470,7 +459,7 @@ class Leases:
         entry = self.view.sandboxes.get(req.reservation) if req.reservation else None
         req.reservation = None
         if entry is not None and entry.reserved_for == req.id:
-            entry.reserved_for = None
+            entry.unreserved()
 
     async def release(self, sandbox_id: str, proof: str | None) -> SandboxEntry:
         """`proof` is the caller's lease token; None for an operator, who may release any."""
@@ -503,10 +492,8 @@ class Leases:
         key = scoped_key(entry.owner, entry.idempotency_key)
         lease_id, recycle = entry.lease_id, self.recycles(entry)
         if recycle:
-            # the lease ends now, before anything is awaited: its token is void at once
             self.recycled.add(entry.id, (lease_id, entry.owner))
-            entry.lease_id = entry.owner = entry.idempotency_key = None
-            entry.labels = {}
+            entry.released_to_recycle()
         if key:
             self.by_key.pop(key, None)
             await self.spent_keys.add(key, entry.id)
@@ -540,8 +527,6 @@ class Leases:
             key = scoped_key(entry.owner, entry.idempotency_key)
             if key and entry.state in ASSIGNED:
                 self.by_key.setdefault(key, entry.id)
-            if entry.state in ASSIGNED and entry.leased_at is None:
-                entry.leased_at = self.clock.now()  # its start is not known: from now on
 
 
 def _key_spent(key: str | None, sandbox_id: str) -> ApiError:

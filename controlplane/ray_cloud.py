@@ -48,7 +48,7 @@ from ray.autoscaler.sdk import request_resources  # noqa: E402
 from ray.exceptions import ActorUnavailableError  # noqa: E402
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # noqa: E402
 
-from controlplane.cloud import RayConfig  # noqa: E402
+from controlplane.config import RayConfig  # noqa: E402
 from controlplane.identities import Identities  # noqa: E402
 from dsec.httpkit import cancel_and_wait  # noqa: E402
 from dsec.models import NodeKind  # noqa: E402

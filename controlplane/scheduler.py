@@ -30,7 +30,6 @@ from controlplane.metrics import ControlPlaneMetrics, SandboxSeconds, ViewCollec
 from controlplane.prewarm import Prewarms
 from controlplane.queue import PendingRequest, RequestQueues
 from controlplane.view import ClusterView, SandboxEntry
-from dsec.policies import Policy, make_policy
 from dsec.clock import Clock
 from dsec.httpkit import ApiError
 from dsec.models import (
@@ -43,6 +42,7 @@ from dsec.models import (
     normalise_image_ref,
 )
 from dsec.peaks import PeakTracker
+from dsec.policies import Policy, make_policy
 from dsec.policy import (
     PREWARM_REASON,
     Action,

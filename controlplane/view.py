@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from dsec.models import DrainState, LeaseEnd, NodeReport, ReportAck, SandboxRow
+from dsec.models import DrainState, LeaseEnd, LeaseGrant, NodeReport, ReportAck, SandboxRow
 from dsec.policy import NodeSnap, Resources, SandboxSnap
 from dsec.recent import RecentMap
 from dsec.states import (
@@ -97,6 +97,10 @@ _SNAPPED = frozenset(
 
 @dataclass
 class SandboxEntry:
+    """The control plane's record of one sandbox. Changed in this module alone: by the
+    methods below, each named for what happened to it, and by ClusterView, which counts
+    its state and pool (`move`, `set_pool`) and applies its agent's reports."""
+
     id: str
     node: str
     pool: str
@@ -132,6 +136,84 @@ class SandboxEntry:
         if name in _SNAPPED:
             object.__setattr__(self, "_snap", None)
         object.__setattr__(self, name, value)
+
+    # --- calls to its agent (controlplane/actuator.py): one at a time -----------------
+
+    def call_started(self) -> None:
+        """A call about it is under way: nothing else is decided about it until it ends."""
+        self.op_in_flight = True
+
+    def call_confirmed(self, now: float) -> None:
+        """Its agent carried out the call: what the view holds of it is true as of now."""
+        self.op_in_flight = False
+        self.confirmed_at = now
+        self.failures = 0
+
+    def call_failed(self, now: float) -> None:
+        """The call failed: no other about it for a backoff, doubling with every failure
+        in a row, to 30 s (so that an agent that is down is not asked at every tick)."""
+        self.op_in_flight = False
+        self.failures += 1
+        self.retry_at = now + min(30.0, 0.5 * 2**self.failures)
+
+    def busy_reported(self, busy_s: float) -> float:
+        """Its agent's count of the seconds it ran commands (all time); returns those not
+        counted before."""
+        new = max(0.0, busy_s - self.busy_s)
+        self.busy_s = busy_s
+        return new
+
+    def frozen(self, now: float) -> None:
+        self.frozen_at = now
+
+    def thawed(self) -> None:
+        self.frozen_at = None
+
+    def recycled(self, now: float) -> None:
+        """Reset by its agent and back in the warm pool: running, idle from now."""
+        self.frozen_at = None
+        self.idle_since = now
+
+    # --- its lease (controlplane/leases.py) -------------------------------------------
+
+    def granted(self, grant: LeaseGrant, token_expiry: int, now: float) -> None:
+        """Leased as `grant` says, its token good until `token_expiry` (a Unix second):
+        running, idle from now, no longer held for the request it was made for."""
+        self.lease_id = grant.lease_id
+        self.owner = grant.owner
+        self.idempotency_key = grant.idempotency_key
+        self.labels = dict(grant.labels)
+        self.lease_expires_at = token_expiry
+        self.leased_at, self.renewed_at = now, None
+        self.frozen_at, self.idle_since = None, now
+        self.reserved_for = None
+
+    def renewed(self, now: float) -> None:
+        """Its client is alive: its lease's idle timeout starts again."""
+        self.renewed_at = now
+
+    def token_expiry(self, new_expiry: int) -> int:
+        """The Unix second its lease token ends. A lease learnt from a heartbeat (after a
+        restart) has none until its token is first made: `new_expiry`, kept from then on,
+        so that its token does not change."""
+        if self.lease_expires_at is None:
+            self.lease_expires_at = new_expiry
+        return self.lease_expires_at
+
+    def lease_expired(self) -> None:
+        """Its lease lapsed, or its node refused it: its removal tells its agent so, and
+        the agent its client (410 lease_expired)."""
+        self.ended = "lease_expired"
+
+    def released_to_recycle(self) -> None:
+        """Released, to be reset into the warm pool: its lease ends now, before anything
+        is awaited, so that its token is void at once."""
+        self.lease_id = self.owner = self.idempotency_key = None
+        self.labels = {}
+
+    def unreserved(self) -> None:
+        """The request it was made for was served or gone: it joins the warm pool."""
+        self.reserved_for = None
 
     @property
     def needs(self) -> Resources:
@@ -420,28 +502,21 @@ class ClusterView:
                 self._vanish(node, entry, now, changes)
             return
         if entry is None:
-            entry = self._entry_from_row(node, row, now)
-            if row.lease_id is not None and not self._granted(node, row):
+            proven = row.lease_id is None or self._granted(node, row)
+            if not proven:
                 changes.unproven.append(sandbox_id)
-                # not a lease, and not a sandbox to hand out: the next tick removes it
-                entry.lease_id = entry.owner = entry.idempotency_key = None
-                entry.state = SandboxState.DESTROYING
-                self.add(entry)
-                return
-            if sandbox_id in self.released:
-                # released while its node was away (lost), or reported by a heartbeat
-                # older than its removal: it is to go, and the next tick removes it
-                entry.state = SandboxState.DESTROYING
-                self.add(entry)
-                return
+            # to go, and the next tick removes it: a lease not granted here (not a lease,
+            # and not a sandbox to hand out), or one released while its node was away
+            # (lost) or reported by a heartbeat older than its removal
+            doomed = not proven or sandbox_id in self.released
+            entry = self._entry_from_row(node, row, now, proven, doomed)
             self.add(entry)
-            changes.added.append(entry)
-            changes.busy_s[row.pool] = changes.busy_s.get(row.pool, 0.0) + row.busy_s
+            if not doomed:
+                changes.added.append(entry)
+                changes.busy_s[row.pool] = changes.busy_s.get(row.pool, 0.0) + row.busy_s
             return
-        delta = max(0.0, row.busy_s - entry.busy_s)
-        if delta:
+        if delta := entry.busy_reported(row.busy_s):
             changes.busy_s[entry.pool] = changes.busy_s.get(entry.pool, 0.0) + delta
-        entry.busy_s = row.busy_s
         entry.idle_since = node.our_time(row.active_at, now)
         if entry.op_in_flight or now - entry.confirmed_at < self.confirm_grace_s:
             node.unsettled.add(sandbox_id)
@@ -486,22 +561,28 @@ class ClusterView:
             self.forget(entry.id)
         changes.vanished.append(entry)
 
-    def _entry_from_row(self, node: NodeEntry, row: SandboxRow, now: float) -> SandboxEntry:
+    def _entry_from_row(
+        self, node: NodeEntry, row: SandboxRow, now: float, proven: bool, doomed: bool
+    ) -> SandboxEntry:
+        """A sandbox new to the view, as its row says; without its lease if the lease was
+        not `proven` granted here, and being removed if `doomed`."""
         active_at = node.our_time(row.active_at, now)
+        leased = not doomed and row.state in ASSIGNED
         return SandboxEntry(
             id=row.id,
             node=node.id,
             pool=row.pool,
             template=row.template,
-            state=row.state,
+            state=SandboxState.DESTROYING if doomed else row.state,
             since=active_at if row.state == SandboxState.WARM and active_at is not None else now,
             created_at=row.created_at,
             cpus=row.cpus,
             memory_mb=row.memory_mb,
-            lease_id=row.lease_id,
-            idempotency_key=row.idempotency_key,
-            owner=row.owner,
+            lease_id=row.lease_id if proven else None,
+            idempotency_key=row.idempotency_key if proven else None,
+            owner=row.owner if proven else None,
             labels=None if row.lease_id else {},
+            leased_at=now if leased else None,  # its start is not known: from now on
             confirmed_at=now,
             busy_s=row.busy_s,
             idle_since=active_at,

@@ -37,11 +37,16 @@ STARTED_POOLS: set[str] = set()
 DOCKER_FIXTURES = {"docker_client", "engine"}
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Mark `docker` every test that needs the engine, so `-m "not docker"` runs the rest."""
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark `docker` every test that needs the engine, so `-m "not docker"` runs the rest;
+    in a worker of `pytest -n` (pytest-xdist) those are skipped: they share one engine,
+    whose figures and health suffer from two suites at once."""
+    in_worker = hasattr(config, "workerinput")
     for item in items:
         if DOCKER_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.docker)
+        if in_worker and item.get_closest_marker("docker"):
+            item.add_marker(pytest.mark.skip(reason="docker tests run one at a time: without -n"))
 
 
 def pool_containers(client: docker.DockerClient, prefix: str = TEST_POOL_PREFIX) -> list:

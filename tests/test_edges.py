@@ -39,7 +39,8 @@ from agent.node import Agent
 from agent.sandboxes import Sandbox
 from agent.store import SandboxRecord
 from controlplane.app import controlplane_api
-from controlplane.cloud import CloudConfig, LocalCloudProvider
+from controlplane.cloud import LocalCloudProvider
+from controlplane.config import CloudConfig
 from controlplane.identities import Identities
 from controlplane.spent import KeyLog
 from dsec.cli import build_parser, main

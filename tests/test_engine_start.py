@@ -51,13 +51,18 @@ def execs_answering(*answers: Started) -> tuple[Execs, list[Started]]:
     async def sleep(seconds: float) -> None:
         await asyncio.sleep(0)
 
-    agent = SimpleNamespace(
-        docker=SimpleNamespace(start=start),
-        clock=SimpleNamespace(sleep=sleep),
+    unused = SimpleNamespace()  # what `_engine_start` never reaches
+    execs = Execs(
+        leases=unused,  # type: ignore[arg-type]
+        resident=unused,  # type: ignore[arg-type]
+        docker=SimpleNamespace(start=start),  # type: ignore[arg-type]
+        docker_failed=unused,  # type: ignore[arg-type]
+        audit=unused,  # type: ignore[arg-type]
         config=AgentConfig(node_id="n1", agent_token="t" * 16, state_dir=Path("/nonexistent")),
+        clock=SimpleNamespace(sleep=sleep),  # type: ignore[arg-type]
         metrics=AgentMetrics("n1"),
     )
-    return Execs(agent), started  # type: ignore[arg-type]
+    return execs, started
 
 
 async def test_a_start_whose_runc_init_died_is_made_again():

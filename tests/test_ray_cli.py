@@ -10,8 +10,7 @@ import sys
 import pytest
 from pydantic import ValidationError
 
-from controlplane.cloud import CloudConfig, RayConfig
-from controlplane.config import ControlPlaneConfig
+from controlplane.config import CloudConfig, ControlPlaneConfig, RayConfig
 from dsec.cli import build_parser, main
 from dsec.cli.common import UsageError
 from dsec.cli.up import up_spec

@@ -271,9 +271,13 @@ def test_the_compare_command_refuses_a_directory_without_a_report(tmp_path, caps
 def test_the_replay_command_runs_each_baseline_at_its_best_configuration(tmp_path, capsys):
     # a static pool sized at the trace's peak, autoscalers bounded by the cluster's slots
     trace = tmp_path / "trace.jsonl"
-    episodes = generate("poisson", duration_s=60, rate_per_s=0.5, seed=3)
+    # minutes-long lifetimes, not DSec's hours: the same peak to size for, simulated quickly
+    episodes = generate(
+        "poisson", duration_s=60, rate_per_s=0.5, seed=3, lifetime_p50_s=60, lifetime_p99_s=300
+    )
     dump_trace(episodes, trace)
     peak = int(summarize(episodes)["peak_concurrency"])
+    assert peak > 7  # more than a node's slots: the static pool's size is the trace's peak
     parser = argparse.ArgumentParser()
     add_replay_arguments(parser)
     for policy, field, expected in (("static", "min_warm", peak), ("keda", "max_warm", 2 * 7)):

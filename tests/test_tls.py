@@ -35,7 +35,8 @@ from cryptography.x509.oid import ExtendedKeyUsageOID
 from pydantic import BaseModel
 from rawhttp import RawConnection
 
-from controlplane.cloud import CloudConfig, LocalCloudProvider, cloud_node_host
+from controlplane.cloud import LocalCloudProvider, cloud_node_host
+from controlplane.config import CloudConfig
 from controlplane.identities import Identities
 from dsec import httpkit
 from dsec.client import Client

@@ -1,20 +1,17 @@
 """The `dsec` command line: up, ray up, controlplane, agent, status, plan, bench.
 
-This package is the command-line layer, the only part of dsec/ that may import the
-services above the library (controlplane/, agent/, bench/); the rest of dsec/ imports
-none of them. One module per topic: `up` (a local pool, LocalPool), `ray` (the pool
-on a Ray cluster, RayPool), `services`
-(controlplane, agent, status), `sandbox` (acquire, exec, shell, cp, release), `pool`
-(pool get, pool set), `template` (build, list, show, add, rm), `node` (node drain,
-undrain), `plan`, `bench`; `common` holds what they share, `remote` what the commands
-that call a running pool share.
+This package is the top layer: it may import everything below it (the library, the
+services in controlplane/ and agent/, the launchers in dsec/launch/, bench/), and
+nothing imports it (tests/test_layers.py). One module per topic: `up` (a local pool),
+`ray` (the pool on a Ray cluster), `services` (controlplane, agent, status), `sandbox`
+(acquire, exec, shell, cp, release), `pool` (pool get, pool set), `template` (build,
+list, show, add, rm), `node` (node drain, undrain), `plan`, `bench`; `common` holds what
+they share, `remote` what the commands that call a running pool share.
 
-The topic modules are imported when the parser is built, not with the package: bench/
-starts pools with dsec.cli.up, and a package that imported bench/ on its way in would
-make that a circular import. A command line that names its command imports that
-command's topic alone: all of them (the Docker SDK, agent/, controlplane/, bench/) took
-about a third of a `dsec exec`'s start, paid on every call of a worker that runs its
-commands through the CLI.
+The topic modules are imported when the parser is built, not with the package, and a
+command line that names its command imports that command's topic alone: all of them
+(the Docker SDK, agent/, controlplane/, bench/) took about a third of a `dsec exec`'s
+start, paid on every call of a worker that runs its commands through the CLI.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ import socket
 
 from pydantic import TypeAdapter, ValidationError
 
-from controlplane.cloud import RAY_NODE_PREFIX
+from controlplane.config import RAY_NODE_PREFIX
 from controlplane.identities import AgentUrlRule
 from dsec.addresses import listens_everywhere
 from dsec.cli.common import UsageError, checked_advertise_url, describe

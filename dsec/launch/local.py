@@ -23,8 +23,15 @@ import aiohttp
 import docker
 
 from agent.docker_driver import LABEL_NODE
-from controlplane.cloud import CloudConfig, RayConfig, cloud_node_host
-from controlplane.config import ClientQuota, ClientSpec, ControlPlaneConfig, default_templates
+from controlplane.cloud import cloud_node_host
+from controlplane.config import (
+    ClientQuota,
+    ClientSpec,
+    CloudConfig,
+    ControlPlaneConfig,
+    RayConfig,
+    default_templates,
+)
 from controlplane.identities import Identities, load_or_make_key
 from dsec.image import ensure_base_image
 from dsec.models import Capacity, PoolParams, TemplateSpec

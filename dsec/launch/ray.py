@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from controlplane.cloud import RayConfig
+from controlplane.config import RayConfig
 from controlplane.identities import LOOPBACK_AGENT_URLS
 from dsec.addresses import advertised_url
 from dsec.launch.local import LocalPool, LocalPoolSpec
