@@ -1,9 +1,9 @@
 """Whatever starts a local pool takes it down however it ends: each command that starts
 one (`dsec up`, `dsec bench replay --mode live`, `fidelity`, `tune`, `bench.burst`,
-`bench.churn`) stops it on SIGINT, SIGTERM and SIGHUP as on Ctrl-C, and a launcher killed
-outright (SIGKILL, no clean-up of its own) leaves no control plane, agent or sandbox
-behind: its children get SIGTERM when it dies (dsec.processes.signalled_at_parent_death)
-and remove their sandboxes."""
+`bench.churn`, `bench.fusion`) stops it on SIGINT, SIGTERM and SIGHUP as on Ctrl-C,
+and a launcher killed outright (SIGKILL, no clean-up of its own) leaves no control
+plane, agent or sandbox behind: its children get SIGTERM when it dies
+(dsec.processes.signalled_at_parent_death) and remove their sandboxes."""
 
 from __future__ import annotations
 
@@ -107,13 +107,17 @@ def pool_commands(tmp_path: Path) -> dict[str, list[str]]:
         "burst": [sys.executable, "-m", "bench.burst", "--size", "20"],
         "churn": [sys.executable, "-m", "bench.churn", "--episodes", "40",
                   "--concurrency", "4"],
+        "fusion": [sys.executable, "-m", "bench.fusion", "--requests", "400",
+                   "--baseline-requests", "40", "--concurrency", "4"],
     }  # fmt: skip
 
 
 @pytest.mark.parametrize(
     "sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP], ids=lambda s: s.name
 )
-@pytest.mark.parametrize("command", ["up", "replay", "fidelity", "tune", "burst", "churn"])
+@pytest.mark.parametrize(
+    "command", ["up", "replay", "fidelity", "tune", "burst", "churn", "fusion"]
+)
 async def test_a_command_that_starts_a_pool_stops_it_on_each_signal(
     docker_client, tmp_path, command, sig
 ):

@@ -1,12 +1,13 @@
-"""The `dsec` command line: up, ray up, controlplane, agent, status, plan, bench.
+"""The `dsec` command line: up, ray up, controlplane, agent, status, plan, bench, serve.
 
 This package is the top layer: it may import everything below it (the library, the
 services in controlplane/ and agent/, the launchers in dsec/launch/, bench/), and
 nothing imports it (tests/test_layers.py). One module per topic: `up` (a local pool),
 `ray` (the pool on a Ray cluster), `services` (controlplane, agent, status), `sandbox`
 (acquire, exec, shell, cp, release), `pool` (pool get, pool set), `template` (build,
-list, show, add, rm), `node` (node drain, undrain), `plan`, `bench`; `common` holds what
-they share, `remote` what the commands that call a running pool share.
+list, show, add, rm), `node` (node drain, undrain), `plan`, `bench`, `serve` (serve
+fusion); `common` holds what they share, `remote` what the commands that call a running
+pool share.
 
 The topic modules are imported when the parser is built, not with the package, and a
 command line that names its command imports that command's topic alone: all of them
@@ -46,6 +47,7 @@ TOPIC_OF = {
     "node": "node",
     "plan": "plan",
     "bench": "bench",
+    "serve": "serve",
 }
 
 
