@@ -21,7 +21,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from bench.report import build_report
+from bench.report import build_report, new_figure
 from bench.runargs import add_run_arguments, load_run
 from bench.sim import simulate
 from dsec.models import PoolParams
@@ -109,13 +109,8 @@ def plot_pareto(rows: list[dict], path: Path, *, marks: Sequence[tuple[str, dict
                 title: str = "Parameter sweep: latency against cost") -> Path:  # fmt: skip
     """Every run, the Pareto front, and `marks`: (label, run) drawn apart (the first as a
     star), with the latency target as a line. Runs that scheduled nothing are left out."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     drawn = [r for r in rows if r["p99_ms"] is not None]
-    fig, ax = plt.subplots(figsize=(8, 5))
+    fig, (ax,) = new_figure(height=5)
     front = sorted((r for r in drawn if r["pareto"]), key=lambda r: r["sandbox_seconds"])
     ax.scatter([r["sandbox_seconds"] for r in drawn], [r["p99_ms"] for r in drawn],
                color="0.6", label="runs")  # fmt: skip
@@ -135,9 +130,7 @@ def plot_pareto(rows: list[dict], path: Path, *, marks: Sequence[tuple[str, dict
     ax.set_ylabel("p99 schedule latency (ms)")
     ax.set_title(title)
     ax.legend(fontsize="small")
-    fig.tight_layout()
     fig.savefig(path, dpi=110)
-    plt.close(fig)
     return path
 
 

@@ -86,7 +86,9 @@ def node_of(sandbox_id: str) -> str:
 
 
 class Wire(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # the schemas are built on first use, not at import: every CLI call and service
+    # start imports these models, and most use a few of them
+    model_config = ConfigDict(extra="forbid", defer_build=True)
 
 
 # --- errors ---------------------------------------------------------------

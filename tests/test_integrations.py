@@ -138,6 +138,23 @@ async def test_python_with_stdin_files_and_fetched_files(fusion):
     assert answer.executor_pod_name
 
 
+async def test_a_fetched_symlink_out_of_the_work_dir_brings_nothing_back(fusion):
+    """The workload links /etc/passwd (or the agent's own files) into its work dir and
+    asks for it back: a symlink is not a file to fetch, so nothing comes back."""
+    code = (
+        "import os\n"
+        "os.symlink('/etc/passwd', 'leak')\n"
+        "os.makedirs('d')\n"
+        "os.symlink('/proc/1/environ', 'd/env')\n"
+        "open('kept.txt', 'w').write('ok')\n"
+    )
+    answer = await run_sync(
+        fusion, code=code, language="python", fetch_files=["leak", "d/env", "kept.txt"]
+    )
+    assert answer.status == RunStatus.Success, answer
+    assert answer.files == {"kept.txt": b64(b"ok")}
+
+
 async def test_pytest_passes_and_fails_with_the_tests_own_files(fusion):
     helper = b64(b"def double(x):\n    return 2 * x\n")
     passing = "from helper import double\n\ndef test_double():\n    assert double(2) == 4\n"

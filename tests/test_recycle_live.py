@@ -42,7 +42,10 @@ dd if=/dev/zero of=/tmp/big bs=1M count=16 2>/dev/null
 sleep 1000 >/dev/null 2>&1 &
 setsid sleep 999 >/dev/null 2>&1 &
 (trap '' HUP; exec sleep 998) >/dev/null 2>&1 &
-sh -c 'x=$(head -c 25000000 /dev/zero | tr "\\0" a); sleep 997; echo $x' >/dev/null 2>&1 &
+sh -c 'x=$(head -c 25000000 /dev/zero | tr "\\0" a); : > /tmp/.x; sleep 997; echo $x' \\
+  >/dev/null 2>&1 &
+# the 24 MB take a while on a busy machine: its sleep starts only once they are made
+until [ -e /tmp/.x ]; do sleep 0.1; done
 sleep 1
 """
 

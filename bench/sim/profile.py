@@ -17,6 +17,7 @@ as much faster or slower as the load changes, by the ratio of the measured media
 from __future__ import annotations
 
 import bisect
+import functools
 import json
 import math
 import random
@@ -109,11 +110,7 @@ class Profile:
 
     @classmethod
     def default(cls, n: int = 2000, seed: int = 0) -> Profile:
-        rng = random.Random(seed)
-        samples = {
-            op: [rng.lognormvariate(math.log(median), DEFAULT_SPREAD) for _ in range(n)]
-            for op, median in DEFAULT_MEDIANS_S.items()
-        }
+        samples = {op: list(drawn) for op, drawn in _default_samples(n, seed).items()}
         return cls(samples, source="default: docs/benchmarks.md medians, lognormal sigma 0.3")
 
     def save(self, path: Path) -> None:
@@ -163,3 +160,14 @@ class Profile:
             {op: float(rate) for op, rate in rates.items()},
             float(data.get("command_weight", 0.0)),
         )
+
+
+@functools.cache
+def _default_samples(n: int, seed: int) -> dict[str, tuple[float, ...]]:
+    """The default profile's draws, made once: a sweep or a tuning search simulates with
+    it dozens of times (each Profile gets lists of its own)."""
+    rng = random.Random(seed)
+    return {
+        op: tuple(rng.lognormvariate(math.log(median), DEFAULT_SPREAD) for _ in range(n))
+        for op, median in DEFAULT_MEDIANS_S.items()
+    }
