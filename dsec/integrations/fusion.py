@@ -315,7 +315,8 @@ class FusionService:
                 stdin = STDIN_PATH if prepared.stdin is not None else None
                 ran = await run_command(sb, argv, request.run_timeout, stdin)
             files = await fetch_files(sb, prepared.fetch)
-        passed = all(r is None or r.return_code == 0 for r in (compiled, ran)) and ran is not None
+        # the run ran only after a compile (if any) that finished with 0
+        passed = ran is not None and ran.return_code == 0
         return RunCodeResponse(
             status="Success" if passed else "Failed",
             message="",
