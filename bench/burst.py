@@ -135,6 +135,11 @@ def target(
             "note": note}  # fmt: skip
 
 
+def exit_status(report: dict) -> int:
+    """A benchmark's exit code once its report is printed: 1 if a target missed."""
+    return 1 if any(t["verdict"] == "MISS" for t in report["targets"]) else 0
+
+
 def skipped(name: str, limit: float, why: str, op: str = "<=") -> dict:
     return {"target": name, "value": None, "op": op, "limit": limit, "verdict": "SKIP",
             "note": why}  # fmt: skip
@@ -487,8 +492,7 @@ def main(argv: list[str] | None = None) -> int:
             f"burst: --size must be 1..{room}, --window-s > 0, --warm-samples >= 1", file=sys.stderr
         )
         return 2
-    report = run_to_report("burst", run(args), render, args.json)
-    return 1 if any(t["verdict"] == "MISS" for t in report["targets"]) else 0
+    return exit_status(run_to_report("burst", run(args), render, args.json))
 
 
 if __name__ == "__main__":

@@ -37,6 +37,7 @@ from bench.burst import (
     NODE_CAPACITY,
     NODES,
     delta,
+    exit_status,
     issue_spec,
     leftovers,
     missing,
@@ -272,8 +273,7 @@ def main(argv: list[str] | None = None) -> int:
             f"churn: --episodes and --execs must be >= 1, --concurrency 1..{room}", file=sys.stderr
         )
         return 2
-    report = run_to_report("churn", run(args), render, args.json)
-    return 1 if any(t["verdict"] == "MISS" for t in report["targets"]) else 0
+    return exit_status(run_to_report("churn", run(args), render, args.json))
 
 
 if __name__ == "__main__":

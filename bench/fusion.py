@@ -36,6 +36,7 @@ from agent.docker_driver import LABEL_NODE
 from bench.burst import (
     NODE_CAPACITY,
     NODES,
+    exit_status,
     issue_spec,
     leftovers,
     render_leftovers_and_targets,
@@ -265,8 +266,7 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    report = run_to_report("fusion", run(args), render, args.json)
-    return 1 if any(t["verdict"] == "MISS" for t in report["targets"]) else 0
+    return exit_status(run_to_report("fusion", run(args), render, args.json))
 
 
 if __name__ == "__main__":

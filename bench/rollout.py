@@ -69,6 +69,7 @@ from bench.burst import (
     CALL_ERRORS,
     NODE_CAPACITY,
     NODES,
+    exit_status,
     issue_spec,
     leftovers,
     render_leftovers_and_targets,
@@ -827,8 +828,7 @@ def run_rollout(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    report = run_to_report("rollout", run(args), render, args.json)
-    return 1 if any(t["verdict"] == "MISS" for t in report["targets"]) else 0
+    return exit_status(run_to_report("rollout", run(args), render, args.json))
 
 
 def main(argv: list[str] | None = None) -> int:
