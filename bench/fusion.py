@@ -113,12 +113,20 @@ async def phase(
     into.wall_s += time.perf_counter() - started
 
 
-async def start_fusion(
-    url: str, token: str, concurrency: int
-) -> tuple[str, asyncio.subprocess.Process]:
+@dataclass
+class FusionService:
+    """A `dsec serve fusion` process, listening at `url`."""
+
+    url: str
+    proc: asyncio.subprocess.Process
+
+
+async def start_fusion(pool_url: str, token: str, *flags: str) -> FusionService:
+    """`dsec serve fusion` of the python template on the pool at `pool_url`, on a port
+    of its own, with `flags` added; once it says where it listens."""
     proc = await asyncio.create_subprocess_exec(
-        *dsec_argv("serve", "fusion", "--url", url, "--template", TEMPLATE, "--port", "0",
-                   "--concurrency", str(concurrency)),
+        *dsec_argv("serve", "fusion", "--url", pool_url, "--template", TEMPLATE, "--port", "0",
+                   *flags),
         stdout=asyncio.subprocess.PIPE,
         env={**os.environ, "DSEC_TOKEN": token},
         start_new_session=True,  # stopped by us, in order; and if we die, it stops too
@@ -127,7 +135,7 @@ async def start_fusion(
     assert proc.stdout is not None
     try:
         line = await asyncio.wait_for(proc.stdout.readline(), 60)
-        return json.loads(line)["url"], proc
+        return FusionService(json.loads(line)["url"], proc)
     except (TimeoutError, ValueError, KeyError) as e:
         await stop_process(proc)
         raise RuntimeError(f"dsec serve fusion did not start (exit {proc.returncode})") from e
@@ -183,12 +191,12 @@ async def run(args: argparse.Namespace) -> dict:
         async with local_pool(spec, teardown) as pool:
             async with Client(pool.url, token=pool.tokens.client) as client:
                 await wait_warm(client, "default", warm)
-                service_url, service = await start_fusion(
-                    pool.url, pool.tokens.client, args.concurrency
+                service = await start_fusion(
+                    pool.url, pool.tokens.client, "--concurrency", str(args.concurrency)
                 )
                 try:
                     sides = {
-                        "dsec": (fusion_request(service_url), args.requests),
+                        "dsec": (fusion_request(service.url), args.requests),
                         "docker run": (docker_run_request(image, floor), args.baseline_requests),
                     }
                     for r in range(args.rounds):
@@ -204,7 +212,7 @@ async def run(args: argparse.Namespace) -> dict:
                             this_round[side] = done.figures()
                         by_round.append(this_round)
                 finally:
-                    await stop_process(service)
+                    await stop_process(service.proc)
     report: dict = {
         "image": image, "concurrency": args.concurrency, "rounds": args.rounds,
         "nodes": NODES, "node_capacity": NODE_CAPACITY.model_dump(),

@@ -17,7 +17,6 @@ import os
 import re
 import threading
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 
 import aiohttp
 import pytest
@@ -33,6 +32,7 @@ from minisweagent.models.test_models import DeterministicModel, make_output  # n
 from sandbox_fusion import RunCodeRequest, RunStatus, SummaryMapping  # noqa: E402
 
 from agent.docker_driver import LABEL_NODE  # noqa: E402
+from bench.fusion import FusionService, start_fusion  # noqa: E402
 from dsec.client import Client  # noqa: E402
 from dsec.launch.local import LocalPool  # noqa: E402
 from dsec.models import PoolParams  # noqa: E402
@@ -60,35 +60,10 @@ async def python_pool(docker_client, tmp_path_factory) -> AsyncIterator[LocalPoo
         yield pool
 
 
-@dataclass
-class FusionService:
-    url: str
-    proc: asyncio.subprocess.Process
-
-
-async def start_fusion(pool: LocalPool, *flags: str) -> FusionService:
-    proc = await asyncio.create_subprocess_exec(
-        *dsec_argv("serve", "fusion", "--url", pool.url, "--template", "python", "--port", "0"),
-        *flags,
-        stdout=asyncio.subprocess.PIPE,
-        env={**os.environ, "DSEC_TOKEN": pool.tokens.client},
-    )
-    assert proc.stdout is not None
-    line = await asyncio.wait_for(proc.stdout.readline(), 60)
-    return FusionService(json.loads(line)["url"], proc)
-
-
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def fusion(python_pool) -> AsyncIterator[FusionService]:
-    service = await start_fusion(
-        python_pool,
-        "--concurrency",
-        "16",
-        "--max-code-kb",
-        str(MAX_CODE_KB),
-        "--max-request-mb",
-        "1",
-    )
+    flags = ["--concurrency", "16", "--max-code-kb", str(MAX_CODE_KB), "--max-request-mb", "1"]
+    service = await start_fusion(python_pool.url, python_pool.tokens.client, *flags)
     yield service
     await stop_process(service.proc)
     assert service.proc.returncode == 0
@@ -233,7 +208,7 @@ async def test_one_requests_files_and_processes_are_not_seen_by_the_next(python_
     async with Client(python_pool.url, token=python_pool.tokens.admin) as admin:
         one = PoolParams(min_warm=1, max_warm=1, recycle=True, templates=["python"])
         await admin.set_pool("one-warm", one)
-    service = await start_fusion(python_pool, "--pool", "one-warm")
+    service = await start_fusion(python_pool.url, python_pool.tokens.client, "--pool", "one-warm")
     leave = (
         "import os, subprocess\n"
         "open('/work/secret.txt', 'w').write('mine')\n"
@@ -263,7 +238,7 @@ async def test_one_requests_files_and_processes_are_not_seen_by_the_next(python_
 async def test_requests_past_the_concurrency_wait_in_line_and_one_past_its_timeout_is_answered(
     python_pool,
 ):
-    service = await start_fusion(python_pool, "--concurrency", "1")
+    service = await start_fusion(python_pool.url, python_pool.tokens.client, "--concurrency", "1")
     try:
         slow = [
             run_sync(service, code="import time\ntime.sleep(1)\nprint('done')", language="python")
