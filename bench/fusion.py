@@ -114,14 +114,14 @@ async def phase(
 
 
 @dataclass
-class FusionService:
+class FusionProcess:
     """A `dsec serve fusion` process, listening at `url`."""
 
     url: str
     proc: asyncio.subprocess.Process
 
 
-async def start_fusion(pool_url: str, token: str, *flags: str) -> FusionService:
+async def start_fusion(pool_url: str, token: str, *flags: str) -> FusionProcess:
     """`dsec serve fusion` of the python template on the pool at `pool_url`, on a port
     of its own, with `flags` added; once it says where it listens."""
     proc = await asyncio.create_subprocess_exec(
@@ -135,7 +135,7 @@ async def start_fusion(pool_url: str, token: str, *flags: str) -> FusionService:
     assert proc.stdout is not None
     try:
         line = await asyncio.wait_for(proc.stdout.readline(), 60)
-        return FusionService(json.loads(line)["url"], proc)
+        return FusionProcess(json.loads(line)["url"], proc)
     except (TimeoutError, ValueError, KeyError) as e:
         await stop_process(proc)
         raise RuntimeError(f"dsec serve fusion did not start (exit {proc.returncode})") from e

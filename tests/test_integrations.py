@@ -32,7 +32,7 @@ from minisweagent.models.test_models import DeterministicModel, make_output  # n
 from sandbox_fusion import RunCodeRequest, RunStatus, SummaryMapping  # noqa: E402
 
 from agent.docker_driver import LABEL_NODE  # noqa: E402
-from bench.fusion import FusionService, start_fusion  # noqa: E402
+from bench.fusion import FusionProcess, start_fusion  # noqa: E402
 from dsec.client import Client  # noqa: E402
 from dsec.launch.local import LocalPool  # noqa: E402
 from dsec.models import PoolParams  # noqa: E402
@@ -61,7 +61,7 @@ async def python_pool(docker_client, tmp_path_factory) -> AsyncIterator[LocalPoo
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def fusion(python_pool) -> AsyncIterator[FusionService]:
+async def fusion(python_pool) -> AsyncIterator[FusionProcess]:
     flags = ["--concurrency", "16", "--max-code-kb", str(MAX_CODE_KB), "--max-request-mb", "1"]
     service = await start_fusion(python_pool.url, python_pool.tokens.client, *flags)
     yield service
@@ -69,7 +69,7 @@ async def fusion(python_pool) -> AsyncIterator[FusionService]:
     assert service.proc.returncode == 0
 
 
-async def run_sync(fusion: FusionService, **fields) -> sandbox_fusion.RunCodeResponse:
+async def run_sync(fusion: FusionProcess, **fields) -> sandbox_fusion.RunCodeResponse:
     """SandboxFusion's blocking client, off the event loop; no retry, so a SandboxError
     raises at once."""
     request = RunCodeRequest(**fields)
