@@ -31,6 +31,7 @@ from dsec.httpkit import (
     Handler,
     bearer_token,
     body_chunks,
+    body_limit_with_files,
     cancel_and_wait,
     count_authenticated,
     model_response,
@@ -43,6 +44,7 @@ from dsec.httpkit import (
     sandbox_id_param,
 )
 from dsec.models import (
+    CLAIM_FILES_CEILING,
     SANDBOX_ID_RE,
     CreateSandbox,
     ExecRequest,
@@ -104,7 +106,8 @@ async def create_sandbox(request: web.Request) -> web.Response:
 async def lease_sandbox(request: web.Request) -> web.Response:
     agent = _control_plane_only(request)
     sandbox_id = sandbox_id_param(request)
-    grant = await read_model(request, LeaseGrant)
+    # (a grant carries its claim's files: the control plane's limit holds them)
+    grant = await read_model(request, LeaseGrant, body_limit_with_files(CLAIM_FILES_CEILING))
     sandbox = await agent.to_completion(agent.lease(sandbox_id, grant))
     return model_response(sandbox_report(sandbox, agent.clock.now()))
 

@@ -240,9 +240,8 @@ class Execs:
     # --- the two ways to run a command ------------------------------------------
 
     @contextlib.asynccontextmanager
-    async def held(self, sandbox_id: str, token: str | None) -> AsyncIterator[Held]:
+    async def held(self, sandbox: Sandbox) -> AsyncIterator[Held]:
         """A command's account in the node's output budget, emptied when it ends."""
-        sandbox, _ = await self.hold(sandbox_id, token)
         held = Held(self.output, tenant_of(sandbox))
         try:
             yield held
@@ -255,13 +254,30 @@ class Execs:
     ) -> AsyncIterator[Iterator[bytes]]:
         """Run a command to its end; its answer, an ExecResult as JSON in pieces, with its
         output capped at `req.max_output_bytes`, held in the budget until it is written."""
+        sandbox, lease_id = await self.hold(sandbox_id, token)
+        async with self.gathered(sandbox, lease_id, req, peer) as (result, gathered):
+            yield gathered.answer(result)
+
+    async def setup(self, sandbox: Sandbox, lease_id: str, req: ExecRequest) -> ExecResult:
+        """A claim's setup command (agent/node.py, Agent.lease), run as the lease's first:
+        its result, output and all."""
+        async with self.gathered(sandbox, lease_id, req, peer=None) as (result, gathered):
+            out, err = (bytes(b).decode(errors="replace") for b in (gathered.out, gathered.err))
+            return result.model_copy(update={"stdout": out, "stderr": err})
+
+    @contextlib.asynccontextmanager
+    async def gathered(
+        self, sandbox: Sandbox, lease_id: str, req: ExecRequest, peer: str | None
+    ) -> AsyncIterator[tuple[ExecResult, Gathered]]:
+        """Run a command to its end, its output gathered (held in the budget until the
+        block ends); its result, without the output, beside it."""
         gathered = Gathered(req.encoding)
 
         async def keep(stream: int, data: bytes) -> None:
             gathered.add(stream, data)
 
-        async with self.held(sandbox_id, token) as held:
-            outcome = await self._audited(sandbox_id, token, req, peer, keep, held, keeps=True)
+        async with self.held(sandbox) as held:
+            outcome = await self._audited(sandbox, lease_id, req, peer, keep, held, keeps=True)
             result = ExecResult(
                 exit_code=outcome.exit_code,
                 stdout="",
@@ -271,7 +287,7 @@ class Execs:
                 truncated=outcome.truncated,
                 duration_ms=outcome.duration_ms,
             )
-            yield gathered.answer(result)
+            yield result, gathered
 
     async def stream(
         self,
@@ -284,9 +300,10 @@ class Execs:
     ) -> ExecExit:
         """Run a command, giving each chunk of its output to `sink` as it comes;
         `on_started` gets the running process (for stdin and resizing)."""
-        async with self.held(sandbox_id, token) as held:
+        sandbox, lease_id = await self.hold(sandbox_id, token)
+        async with self.held(sandbox) as held:
             outcome = await self._audited(
-                sandbox_id, token, req, peer, sink, held, on_started=on_started, attach=req
+                sandbox, lease_id, req, peer, sink, held, on_started=on_started, attach=req
             )
         return ExecExit(
             exit_code=outcome.exit_code,
@@ -299,8 +316,8 @@ class Execs:
 
     async def _audited(
         self,
-        sandbox_id: str,
-        token: str | None,
+        sandbox: Sandbox,
+        lease_id: str,
         req: ExecRequest,
         peer: str | None,
         sink: Sink,
@@ -312,7 +329,7 @@ class Execs:
     ) -> Outcome:
         """`sink` gets the output; with `keeps`, it keeps what it gets, which stays in
         `held`, else each chunk is given back once the sink has taken it."""
-        sandbox, lease_id = await self.hold(sandbox_id, token)
+        sandbox_id = sandbox.id
         self.admit(sandbox)
         asked = self.clock.now()
         cmd, cmd_truncated = quoted_cmd(req.cmd)
@@ -358,8 +375,14 @@ class Execs:
     ) -> Outcome:
         cid = sandbox.record.container_id
         marker = secrets.token_hex(16)
-        # the template's environment, under what the command sets itself
-        env = {**sandbox.spec.env, **req.env, **_terminal_env(attach), MARKER_ENV: marker}
+        # the template's environment, then the lease's, under what the command sets itself
+        env = {
+            **sandbox.spec.env,
+            **sandbox.record.lease_env,  # the claim's (AcquireRequest.env)
+            **req.env,
+            **_terminal_env(attach),
+            MARKER_ENV: marker,
+        }
         # a terminal is the command's stdin too, even when no input is sent
         stdin = attach is not None and (attach.stdin or attach.tty)
         proc: RunningCommand | None = None

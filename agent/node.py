@@ -13,7 +13,7 @@ import contextlib
 import functools
 import logging
 import secrets
-from collections.abc import Coroutine
+from collections.abc import AsyncIterator, Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -42,6 +42,7 @@ from dsec.httpkit import ApiError, CredentialRefused
 from dsec.models import (
     MAX_NODE_SANDBOXES,
     CreateSandbox,
+    ExecRequest,
     LeaseEnd,
     LeaseGrant,
     NodeIdentity,
@@ -73,6 +74,7 @@ REMOVE_ALL_ROUNDS = 3  # looks at what is left when the agent stops
 # left, whatever holds it (an engine call that never answers), within the grace its
 # supervisor gives it before a SIGKILL (dsec.processes.STOP_GRACE_S).
 SHUTDOWN_WAIT_S = 15.0
+SETUP_OUTPUT_BYTES = 64 * 1024  # of each stream, in a failed setup's answer
 RESET_TIMEOUT_S = 60.0  # a reset that takes longer is stuck: the sandbox goes
 
 
@@ -299,6 +301,9 @@ class Agent:
         return sandbox
 
     async def lease(self, sandbox_id: str, grant: LeaseGrant) -> Sandbox:
+        """Hand `sandbox_id` to the lease `grant` makes, and apply the grant's claim (its
+        files, then its setup) before answering: a claim that cannot be applied removes
+        the sandbox and answers 422 setup_failed."""
         sandbox = self.get(sandbox_id)
         async with sandbox.lock:
             record = sandbox.record
@@ -312,28 +317,73 @@ class Agent:
                     record.labels = dict(grant.labels)
                     record.grant_proof = grant.grant_proof
                     await self.store.put(record)
-                return sandbox
-            # while the engine is away its containers may be dead: hand none out
-            self.require_engine()
-            # (leased with no lease id: a reset ended its lease, and failed: it goes)
-            if sandbox.record.lease_id is not None or sandbox.state in ASSIGNED:
-                raise ApiError(409, "already_leased", f"sandbox {sandbox_id} is leased already")
-            if sandbox.state == SandboxState.PAUSED:
-                container_id = sandbox.record.container_id
-                await self.docker_or_502(self.docker.unpause(container_id, Work.CLIENT))
-            elif sandbox.state == SandboxState.HIBERNATED:
-                await self._restore_locked(sandbox)
-            sandbox.frozen_at = None
-            sandbox.record.pool = grant.pool
-            sandbox.record.lease_id = grant.lease_id
-            sandbox.record.idempotency_key = grant.idempotency_key
-            sandbox.record.owner = grant.owner
-            sandbox.record.labels = dict(grant.labels)
-            sandbox.record.grant_proof = grant.grant_proof
-            await self.store.put(sandbox.record)
-            sandbox.move(SandboxState.LEASED)
-            sandbox.last_active = self.clock.now()
-            return sandbox
+                applying = sandbox.claim_applied
+            else:
+                applying = await self._lease_locked(sandbox, grant)
+        if applying is not None:  # a retry waits for the first call's files and setup
+            await asyncio.shield(applying)
+        return sandbox
+
+    async def _lease_locked(self, sandbox: Sandbox, grant: LeaseGrant) -> asyncio.Task | None:
+        """The lease taken up; its claim being applied, if it makes one."""
+        sandbox_id = sandbox.id
+        # while the engine is away its containers may be dead: hand none out
+        self.require_engine()
+        # (leased with no lease id: a reset ended its lease, and failed: it goes)
+        if sandbox.record.lease_id is not None or sandbox.state in ASSIGNED:
+            raise ApiError(409, "already_leased", f"sandbox {sandbox_id} is leased already")
+        if sandbox.state == SandboxState.PAUSED:
+            container_id = sandbox.record.container_id
+            await self.docker_or_502(self.docker.unpause(container_id, Work.CLIENT))
+        elif sandbox.state == SandboxState.HIBERNATED:
+            await self._restore_locked(sandbox)
+        sandbox.frozen_at = None
+        sandbox.record.pool = grant.pool
+        sandbox.record.lease_id = grant.lease_id
+        sandbox.record.idempotency_key = grant.idempotency_key
+        sandbox.record.owner = grant.owner
+        sandbox.record.labels = dict(grant.labels)
+        sandbox.record.grant_proof = grant.grant_proof
+        sandbox.record.lease_env = dict(grant.env)
+        await self.store.put(sandbox.record)
+        sandbox.move(SandboxState.LEASED)
+        sandbox.last_active = self.clock.now()
+        if not (grant.files_tar or grant.setup):
+            return None
+        # (a task of its own: the lock is left for the setup's command to take)
+        sandbox.claim_applied = asyncio.ensure_future(self._apply_claim(sandbox, grant))
+        return sandbox.claim_applied
+
+    async def _apply_claim(self, sandbox: Sandbox, grant: LeaseGrant) -> None:
+        """The claim's files, then its setup command; if either fails, the sandbox goes
+        and the failure is 422 setup_failed (with the setup's result as its details)."""
+        try:
+            if grant.files_tar:
+                tar = grant.files_tar
+
+                async def body() -> AsyncIterator[bytes]:
+                    yield tar
+
+                await self.files.write(sandbox, "tar-put", sandbox.spec.workdir, body())
+            if grant.setup:
+                req = ExecRequest(
+                    cmd=grant.setup,
+                    timeout_s=grant.setup_timeout_s,
+                    max_output_bytes=SETUP_OUTPUT_BYTES,
+                )
+                result = await self.execs.setup(sandbox, grant.lease_id, req)
+                if result.exit_code != 0:
+                    how = "timed out" if result.timed_out else f"exited {result.exit_code}"
+                    found = {"sandbox": sandbox.id, **result.model_dump()}
+                    raise ApiError(422, "setup_failed", f"its setup command {how}", [found])
+        except ApiError as e:
+            log.info("claim on %s failed, removing it: %s", sandbox.id, e.message)
+            with contextlib.suppress(ApiError):
+                await self.destroy(sandbox.id)
+            if e.code == "setup_failed":
+                raise
+            message = f"its files were not written: {e.message}"
+            raise ApiError(422, "setup_failed", message, [{"sandbox": sandbox.id}]) from e
 
     def adoption_refused(self, sandbox: Sandbox, claim: LeaseClaim | None) -> ApiError | None:
         """Why a lease token's own claim (None: the token proves no lease here) may not
@@ -539,7 +589,7 @@ class Agent:
                 failure = ApiError(e.status, code, e.message if e.code == code else str(e))
             else:
                 record.owner = record.idempotency_key = record.grant_proof = None
-                record.labels = {}
+                record.labels, record.lease_env = {}, {}
                 record.ended_leases.append(req.lease_id)
                 await self.store.put(record)
                 sandbox.move(SandboxState.WARM)

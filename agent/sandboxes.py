@@ -27,6 +27,8 @@ class Sandbox:
     loop: LoopProcess | None = None  # that loop, where a reset may keep it (agent/host.py)
     init_pid: int | None = None  # its container's init, for its files (agent/files.py checks it)
     relay_rate: RelayRate | None = None  # its output's, from its first command (agent/execs.py)
+    # its lease's claim being applied (agent/node.py, Agent.lease): a retried grant waits
+    claim_applied: asyncio.Task | None = None
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     # held while its command loop's exec starts (agent/resident.py), without `lock`: a
     # lease or a command need not wait for it, but a pause or a reset must

@@ -47,6 +47,8 @@ class SandboxRecord:
     # reported with it; None for a lease taken up from its token before its grant came
     grant_proof: str | None = None
     labels: dict[str, str] = field(default_factory=dict)
+    # the lease's environment (LeaseGrant.env), on every command of it; a reset clears it
+    lease_env: dict[str, str] = field(default_factory=dict)
     # leases this sandbox had that ended while it lived on (recycled): their tokens never
     # take it up again (Agent.adopt); one lease id per recycle
     ended_leases: list[str] = field(default_factory=list)

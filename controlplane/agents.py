@@ -27,6 +27,7 @@ class CallResult:
     code: str  # the agent's error code, or "unreachable"
     message: str
     busy_s: float | None = None  # a removal: what the sandbox ran, all time
+    details: list[dict] | None = None  # the agent's error details (a failed setup's output)
 
     @property
     def refused(self) -> bool:
@@ -128,7 +129,11 @@ class HttpAgents:
 
     async def lease(self, node: AgentAddress, sandbox_id: str, grant: LeaseGrant) -> CallResult:
         url = f"{node.url}/v1/sandboxes/{sandbox_id}/lease"
-        return await self._call(node, "POST", url, grant, grant.request_id)
+        # a claim's setup runs before the agent answers: the call waits for it
+        timeout = None
+        if grant.setup:
+            timeout = aiohttp.ClientTimeout(total=grant.setup_timeout_s + self.timeout_s)
+        return await self._call(node, "POST", url, grant, grant.request_id, timeout)
 
     async def pause(self, node: AgentAddress, sandbox_id: str) -> CallResult:
         return await self._verb(node, sandbox_id, "pause")
@@ -186,8 +191,13 @@ class HttpAgents:
                     return CallResult(True, resp.status, "ok", "", busy_s=busy_s)
                 err = payload.get("error")
                 err = err if isinstance(err, dict) else {}
+                details = err.get("details")
                 return CallResult(
-                    False, resp.status, err.get("code", "http_error"), err.get("message", text)
+                    False,
+                    resp.status,
+                    err.get("code", "http_error"),
+                    err.get("message", text),
+                    details=details if isinstance(details, list) else None,
                 )
         except (aiohttp.ClientError, TimeoutError, OSError) as e:
             return CallResult(False, 0, "unreachable", f"{type(e).__name__}: {e}")

@@ -30,10 +30,13 @@ from dsec.httpkit import (
     Api,
     ApiError,
     bearer_token,
+    body_limit_with_files,
     cancel_and_wait,
     model_response,
     new_app,
     parse_json,
+    parse_model,
+    read_body,
     read_model,
     require_token,
     sandbox_id_param,
@@ -105,16 +108,18 @@ def _metrics_reader(request: web.Request) -> Scheduler:
 async def acquire(request: web.Request) -> web.Response:
     s = _scheduler(request)
     pool = UNKNOWN_POOL  # until the body names a pool that exists
+    raw = b""
     try:
         _client(request)
-        body = await read_model(request, AcquireRequest)
+        raw = await read_body(request, body_limit_with_files(s.config.max_claim_files_bytes))
+        body = parse_model(raw or b"{}", AcquireRequest)
         if body.pool in s.config.pools:
             pool = body.pool
         lease = await s.leases.acquire(body, client_id(bearer_token(request)))
     except (ApiError, web.HTTPClientError) as e:
         if 400 <= e.status < 500:
-            if pool == UNKNOWN_POOL and not request.can_read_body:  # the body was read
-                pool = _named_pool(await request.read(), s.config.pools) or UNKNOWN_POOL
+            if pool == UNKNOWN_POOL and raw:
+                pool = _named_pool(raw, s.config.pools) or UNKNOWN_POOL
             s.metrics.acquires.labels(pool, "rejected").inc()
         raise
     return model_response(lease, 201)
@@ -228,14 +233,9 @@ async def agent_heartbeat(request: web.Request) -> web.Response:
     s = _scheduler(request)
     # that node's own token and no other: one node cannot report as another
     require_token(request, [request.app[IDENTITIES].node_token(request.match_info["node_id"])])
-    try:
-        # a limit of its own, past the client routes': a full report of a node's most
-        # sandboxes fits (gzipped on the wire; the limit counts the unzipped bytes)
-        report = await read_model(request.clone(client_max_size=MAX_REPORT_BYTES), NodeReport)
-    except web.HTTPRequestEntityTooLarge:
-        raise ApiError(
-            413, "body_too_large", f"a report is over {MAX_REPORT_BYTES} bytes"
-        ) from None
+    # a limit of its own, past the client routes': a full report of a node's most
+    # sandboxes fits (gzipped on the wire; the limit counts the unzipped bytes)
+    report = await read_model(request, NodeReport, MAX_REPORT_BYTES)
     if report.node_id != request.match_info["node_id"]:
         raise ApiError(422, "node_mismatch", "the report names another node than the URL")
     _check_reachable(report, request)

@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_val
 from controlplane.identities import LOOPBACK_AGENT_URLS, AgentUrlRule
 from dsec.httpkit import ApiError, MetricsAccess
 from dsec.image import BASE_IMAGE
-from dsec.models import MAX_PREWARM_S, Capacity, Name, PoolParams, TemplateSpec
+from dsec.models import CLAIM_FILES_CEILING, MAX_PREWARM_S, Capacity, Name, PoolParams, TemplateSpec
 from dsec.policies import PolicyName
 from dsec.tokens import client_id, new_token
 
@@ -157,6 +157,9 @@ CloudSettings = Annotated[
 ]
 
 
+MAX_CLAIM_FILES_BYTES = 8 * 1024 * 1024  # by default
+
+
 class ControlPlaneConfig(MetricsAccess):
     model_config = ConfigDict(extra="forbid")
 
@@ -193,6 +196,12 @@ class ControlPlaneConfig(MetricsAccess):
     )
     pools: dict[Name, PoolParams] = Field(default_factory=lambda: {"default": PoolParams()})
     templates: dict[Name, TemplateSpec] = Field(default_factory=default_templates)
+    max_claim_files_bytes: int = Field(
+        MAX_CLAIM_FILES_BYTES,
+        ge=0,
+        le=CLAIM_FILES_CEILING,
+        description="the most bytes of files one acquire may write (AcquireRequest.files)",
+    )
     tick_s: float = Field(0.25, gt=0, le=60, description="the policy also runs on every event")
     min_tick_gap_s: float = Field(
         0.0, ge=0, le=1, description="events closer than this are decided in one tick"

@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 from controlplane.actuator import Actuator
 from controlplane.agents import CallResult
+from controlplane.claims import personal_of
 from controlplane.config import ClientQuota, ControlPlaneConfig, unknown_name
 from controlplane.identities import Identities
 from controlplane.metrics import ControlPlaneMetrics
@@ -90,8 +91,14 @@ class Leases:
         # proves the lease to its agent, which takes it up from the client's first call
         # if the grant is not there yet (dsec/tokens.py). A frozen one waits for its
         # agent to thaw it, and one its agent may have lost for the grant's answer.
-        at_once = entry.state == SandboxState.WARM and self.view.vouched_warm(entry, now)
+        # A personalised claim is answered once its node has applied it.
+        at_once = (
+            req.personal is None
+            and entry.state == SandboxState.WARM
+            and self.view.vouched_warm(entry, now)
+        )
         lease_id = new_lease_id()
+        personal = req.personal.grant_fields(now - req.arrived_at) if req.personal else {}
         grant = LeaseGrant(
             lease_id=lease_id,
             pool=req.pool,
@@ -102,6 +109,7 @@ class Leases:
             grant_proof=self.identities.grant_proof(
                 entry.node, entry.id, lease_id, req.owner, req.idempotency_key, req.pool
             ),
+            **personal,
         )
         self.view.move(entry, SandboxState.LEASED, now)
         self.view.set_pool(entry, req.pool)  # a higher-priority pool may have taken it over
@@ -116,7 +124,10 @@ class Leases:
             served = at_once and not req.done.done()
             if served:
                 self._serve(entry, req, action.path, self.clock.now())
+            asked = self.clock.now()
             result = await self.actuator.call(entry, self.actuator.agents.lease, entry.id, grant)
+            if req.personal is not None:
+                req.setup_ms = (self.clock.now() - asked) * 1000
             self._on_leased(entry, req, action.path, result, served)
 
         self.actuator.spawn(entry, run())
@@ -142,6 +153,17 @@ class Leases:
         if req.scoped_key and (not result.ok or req.done.done()):
             # the key holds nothing after all (the sandbox goes below)
             self.actuator.track(asyncio.ensure_future(self.held_keys.drop(req.scoped_key)))
+        if not result.ok and result.code == "setup_failed":
+            # the claim's own command failed: its client hears how, and no other
+            # sandbox is tried for it; the node removed this one
+            if not req.done.done():
+                req.done.set_exception(
+                    ApiError(422, "setup_failed", result.message, result.details)
+                )
+                self._forget_request(req)
+            entry.call_confirmed(now)
+            self.actuator.destroy(entry, now, "destroy")
+            return
         if not result.ok:
             self.actuator.failed(entry, "lease", result)
             req.claimed = False  # back in the queue, first in line by its arrival time
@@ -163,7 +185,9 @@ class Leases:
         schedule_s = now - req.arrived_at
         self.metrics.schedule_latency.labels(entry.pool, path).observe(schedule_s)
         self.metrics.acquires.labels(entry.pool, "served").inc()
-        req.done.set_result(self.lease_of(entry, path, schedule_s * 1000))
+        lease = self.lease_of(entry, path, schedule_s * 1000)
+        lease.setup_ms = req.setup_ms
+        req.done.set_result(lease)
 
     def expire(self, action: ExpireLease, now: float) -> None:
         """End a lease its client let lapse (or its node refused after it was served):
@@ -292,6 +316,12 @@ class Leases:
         ):
             if name not in known:
                 raise unknown_name(field, name, known)
+        personal = personal_of(
+            body,
+            self.config.templates[body.template],
+            self.config.max_claim_files_bytes,
+            self.clock.wall(),
+        )
         quota = self.config.quota_of(owner) if owner is not None else None
         if quota is not None:
             self._check_allowed(quota, body)
@@ -315,6 +345,7 @@ class Leases:
             idempotency_key=body.idempotency_key,
             owner=owner,
             labels=dict(body.labels),
+            personal=personal,
         )
         self.queues.add(req)
         if key is not None:

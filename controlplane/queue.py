@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
+from controlplane.claims import Personal
 from dsec.models import Lease
 from dsec.policy import RequestSnap
 
@@ -25,6 +26,8 @@ class PendingRequest:
     idempotency_key: str | None
     owner: str | None  # the client asking
     labels: dict[str, str]
+    personal: Personal | None = None  # the claim's own env, files and setup
+    setup_ms: float | None = None  # the time its node took to apply `personal`
     done: asyncio.Future[Lease] = field(default_factory=asyncio.Future)
     refused_by: set[str] = field(default_factory=set)
     template_refusal: str | None = None  # the last refusal about its template, as said

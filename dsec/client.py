@@ -656,7 +656,22 @@ class Client:
         timeout: float = 30.0,
         idempotency_key: str | None = None,
         labels: dict[str, str] | None = None,
+        env: dict[str, str] | None = None,
+        files: dict[str, bytes] | bytes | None = None,
+        setup: list[str] | None = None,
     ) -> Sandbox:
+        """A sandbox from `pool`; `env`, `files` ({path in the work dir: bytes}, or an
+        uncompressed tar's bytes) and `setup` (argv) make it the caller's own before it
+        is answered, and it is still a warm one (docs/contracts.md, "Personalised
+        claims"). A failed setup raises DsecError 422 `setup_failed` with its output."""
+        # (Base64Bytes fields take base64, from Python too)
+        encoded: dict[str, bytes] | bytes | None = (
+            {path: base64.b64encode(data) for path, data in files.items()}
+            if isinstance(files, dict)
+            else base64.b64encode(files)
+            if files
+            else None
+        )
         body = AcquireRequest(
             pool=pool,
             template=template,
@@ -664,6 +679,9 @@ class Client:
             timeout_s=timeout,
             idempotency_key=idempotency_key or uuid.uuid4().hex,
             labels=labels or {},
+            env=env or {},
+            files=encoded,
+            setup=setup,
         )
         for attempt in range(self.acquire_retries + 1):
             try:

@@ -13,6 +13,7 @@ from typing import Annotated, Literal, NamedTuple
 
 from pydantic import (
     AfterValidator,
+    Base64Bytes,
     BaseModel,
     ConfigDict,
     Field,
@@ -54,6 +55,11 @@ EnvName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,12
 # Its value: anything but NUL, which no process environment can hold.
 EnvValue = Annotated[str, StringConstraints(pattern=r"^[^\x00]*$", max_length=32768)]
 DOCKER_HUB = ("docker.io", "index.docker.io")  # an engine lists its images without it
+# One argument of a command.
+CmdArg = Annotated[str, StringConstraints(max_length=65536)]
+# A file a claim writes: relative to the work dir, or absolute in it (checked against the
+# template's work dir where the claim is made: controlplane/claims.py).
+ClaimPath = Annotated[str, StringConstraints(pattern=r"^[^\x00]{1,4096}$")]
 
 
 def normalise_image_ref(ref: str) -> str:
@@ -78,6 +84,8 @@ DrainState = Literal["none", "draining", "drained"]
 OutputEncoding = Literal["utf-8", "base64"]
 
 MAX_TIMEOUT_S = 3600.0
+# the most a control plane may let one claim's files be (its max_claim_files_bytes)
+CLAIM_FILES_CEILING = 256 * 1024 * 1024
 MAX_OUTPUT_BYTES = 16 * 1024 * 1024
 
 
@@ -123,6 +131,32 @@ class AcquireRequest(Wire):
         None, description="a retry with the same key gets the same sandbox, not a second one"
     )
     labels: dict[LabelKey, LabelValue] = Field(default_factory=dict, max_length=32)
+    # A personalised claim: applied to the warm sandbox it gets, before the answer
+    # (docs/contracts.md, "Personalised claims").
+    env: dict[EnvName, EnvValue] = Field(
+        default_factory=dict,
+        max_length=256,
+        description="environment variables of every command of the lease, over the "
+        "template's (a command's own env is over these)",
+    )
+    files: dict[ClaimPath, Base64Bytes] | Base64Bytes | None = Field(
+        None,
+        description="written into the work dir before the answer: {path: base64 of its "
+        "bytes}, a path relative to the work dir or absolute in it, or the base64 of a tar "
+        "unpacked there; at most the control plane's max_claim_files_bytes",
+    )
+    setup: list[CmdArg] | None = Field(
+        None,
+        min_length=1,
+        max_length=4096,
+        description="argv of a command run in the sandbox, with the lease's env and after "
+        "its files, before the answer, within timeout_s; if it fails so does the acquire "
+        "(422 setup_failed, with its output) and the sandbox is removed, never handed out",
+    )
+
+    @property
+    def personalised(self) -> bool:
+        return bool(self.env or self.files or self.setup)
 
 
 class SandboxInfo(Wire):
@@ -151,6 +185,11 @@ class Lease(SandboxInfo):
     schedule_ms: float = Field(description="from the request's arrival to a usable sandbox")
     lease_idle_timeout_s: float | None = Field(
         None, description="renew the lease within this, or run a command (None: no timeout)"
+    )
+    setup_ms: float | None = Field(
+        None,
+        description="of schedule_ms, the time its node took to apply the claim's env, files "
+        "and setup (None: the claim had none)",
     )
 
 
@@ -181,7 +220,7 @@ class SandboxList(Wire):
 
 
 class ExecRequest(Wire):
-    cmd: list[Annotated[str, StringConstraints(max_length=65536)]] = Field(
+    cmd: list[CmdArg] = Field(
         min_length=1, max_length=4096, description="argv; no shell unless you run one"
     )
     timeout_s: float = Field(60.0, gt=0, le=MAX_TIMEOUT_S)
@@ -711,6 +750,15 @@ class LeaseGrant(Wire):
         description="the control plane's proof of this grant, which no node can make: the "
         "agent keeps it with the lease and reports it (SandboxRow.grant_proof)",
     )
+    # the claim's own (AcquireRequest): applied before the agent answers
+    env: dict[EnvName, EnvValue] = Field(default_factory=dict, max_length=256)
+    files_tar: Base64Bytes | None = Field(None, description="a tar unpacked into the work dir")
+    setup: list[CmdArg] | None = Field(None, min_length=1, max_length=4096)
+    setup_timeout_s: float = Field(60.0, gt=0, le=MAX_TIMEOUT_S)
+
+    @property
+    def personalised(self) -> bool:
+        return bool(self.env or self.files_tar or self.setup)
 
 
 class ResetSandbox(Wire):

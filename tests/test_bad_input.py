@@ -3,14 +3,34 @@
 from __future__ import annotations
 
 import asyncio
+import base64
+import gzip
+import io
+import json
 import os
 import sys
+import tarfile
 
 import aiohttp
 import pytest
 from conftest import pool_containers
 
+from controlplane.config import MAX_CLAIM_FILES_BYTES
+from dsec.httpkit import body_limit_with_files
+
 pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+
+def b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+def tar_of(name: str) -> bytes:
+    """An uncompressed tar of one empty file named `name`."""
+    out = io.BytesIO()
+    with tarfile.open(fileobj=out, mode="w") as tar:
+        tar.addfile(tarfile.TarInfo(name))
+    return out.getvalue()
 
 
 async def call(method: str, url: str, token: str | None, data=None, json=None):
@@ -52,6 +72,35 @@ def app_acquire_url(controlplane_app) -> str:
         (b'{"colour": "blue"}', 422, "validation_error", "colour"),
         (b'{"pool": "../etc"}', 422, "validation_error", "pool"),
         (b'{"idempotency_key": "a b/c"}', 422, "validation_error", "idempotency_key"),
+        # personalised claims (controlplane/claims.py): refused before a sandbox is taken
+        (b'{"env": {"1BAD": "x"}}', 422, "validation_error", "env"),
+        (b'{"env": {"A-B": "x"}}', 422, "validation_error", "env"),
+        (b'{"env": {"A": "x\\u0000y"}}', 422, "validation_error", "env"),
+        (b'{"files": {"../up": "aGk="}}', 422, "path_outside_workdir", "files.../up"),
+        (b'{"files": {"/etc/passwd": "aGk="}}', 422, "path_outside_workdir", "files./etc/passwd"),
+        (b'{"files": {"/work/../etc/x": "aGk="}}', 422, "path_outside_workdir", "files./work"),
+        (b'{"files": {"dir/": "aGk="}}', 422, "path_outside_workdir", "files.dir/"),
+        (b'{"files": {"a": "not base64!"}}', 422, "validation_error", "files"),
+        (
+            json.dumps({"files": b64(gzip.compress(tar_of("a")))}).encode(),
+            422,
+            "validation_error",
+            "files",
+        ),
+        (
+            json.dumps({"files": b64(tar_of("../evil"))}).encode(),
+            422,
+            "path_outside_workdir",
+            "files.../evil",
+        ),
+        (
+            json.dumps({"files": b64(tar_of("/etc/cron.d/x"))}).encode(),
+            422,
+            "path_outside_workdir",
+            "files./etc",
+        ),
+        (b'{"setup": []}', 422, "validation_error", "setup"),
+        (b'{"setup": "make"}', 422, "validation_error", "setup"),
     ],
 )
 async def test_bad_acquire_bodies(controlplane_app, app_acquire_url, payload, status, code, field):
@@ -62,9 +111,24 @@ async def test_bad_acquire_bodies(controlplane_app, app_acquire_url, payload, st
         assert any(field in d["loc"] for d in details), body
 
 
+async def test_claim_files_past_the_limit_are_422_saying_the_limit(
+    controlplane_app, app_acquire_url
+):
+    files = {
+        "a": b64(b"x" * (MAX_CLAIM_FILES_BYTES // 2)),
+        "b": b64(b"y" * (MAX_CLAIM_FILES_BYTES // 2 + 1)),
+    }
+    got, body = await call(
+        "POST", app_acquire_url, controlplane_app.tokens.client, json={"files": files}
+    )
+    assert_error(got, body, 422, "files_too_large")
+    assert str(MAX_CLAIM_FILES_BYTES) in body["error"]["message"]
+
+
 async def test_oversize_body(controlplane_app, app_acquire_url):
     token = controlplane_app.tokens.client
-    got, body = await call("POST", app_acquire_url, token, data=b"x" * (2 << 20))
+    too_large = body_limit_with_files(MAX_CLAIM_FILES_BYTES) + 1
+    got, body = await call("POST", app_acquire_url, token, data=b"x" * too_large)
     assert_error(got, body, 413, "body_too_large")
 
 

@@ -392,6 +392,31 @@ async def test_live_acquire_exec_cp_release(pool, tmp_path, docker_client):
     assert code == 1 and "released" in err, err
 
 
+async def test_live_personalised_acquire(pool, tmp_path):
+    """`dsec acquire --env --file --setup`: the sandbox is the caller's own before its id
+    is printed; a setup that fails prints its output and exits 1, leaving no lease."""
+    env = cli_env(pool.url, pool.tokens.client)
+    (tmp_path / "task.json").write_bytes(b'{"task": 7}')
+    claim = ["--env", "TASK=7", "--file", f"in/task.json={tmp_path / 'task.json'}"]
+    code, out, err = await dsec(
+        "acquire", *claim, "--setup", 'cp in/task.json copied.json && echo "$TASK" > t', env=env
+    )
+    assert code == 0, err
+    sid = out.decode().strip()
+    try:
+        code, out, _ = await dsec(
+            "exec", sid, "--", "sh", "-c", "cat copied.json t; echo $TASK", env=env
+        )
+        assert (code, out) == (0, b'{"task": 7}7\n7\n')
+    finally:
+        await dsec("release", sid, env=env)
+    code, out, err = await dsec("acquire", "--setup", "echo making; echo no >&2; exit 2", env=env)
+    assert (code, out) == (1, b"making\n"), err
+    assert err.startswith("no\n") and "setup_failed" in err, err
+    code, _, err = await dsec("acquire", "--file", f"x={tmp_path / 'missing'}", env=env)
+    assert code == 2 and "cannot read" in err, err
+
+
 async def test_live_shell_on_a_terminal(pool):
     """`dsec shell` on a pseudo-terminal: a terminal in the sandbox of our size, which
     follows a resize, and our terminal's settings restored at the end."""

@@ -350,3 +350,20 @@ async def test_a_reset_that_fails_removes_the_sandbox(client, docker_client, wha
         assert second.id != first.id and second.lease.path == "cold", what
     finally:
         await second.release()
+
+
+async def test_a_recycled_sandbox_keeps_no_environment_or_file_of_its_previous_claim(client):
+    """A personalised claim's env is the lease's, not the sandbox's: the next lease of the
+    recycled sandbox has none of it, nor the claim's files."""
+    claim = {"env": {"DSEC_CLAIM_SECRET": MARKER}, "files": {"claimed.txt": MARKER.encode()}}
+    first = await client.acquire(timeout=60, **claim)
+    seen = await first.exec(["sh", "-c", "echo $DSEC_CLAIM_SECRET; cat /work/claimed.txt"])
+    assert seen.stdout == f"{MARKER}\n{MARKER}", seen
+    await first.release()
+    second = await client.acquire(timeout=30)
+    try:
+        assert second.id == first.id
+        left = await second.exec(["sh", "-c", "echo [$DSEC_CLAIM_SECRET]; ls -A /work"])
+        assert left.stdout == "[]\n", left
+    finally:
+        await second.release()

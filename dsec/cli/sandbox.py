@@ -45,14 +45,39 @@ def _assignments(items: list[str], what: str) -> dict[str, str]:
     return pairs
 
 
+def _local_bytes(path: str) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except OSError as e:
+        raise UsageError(f"--file: cannot read {path}: {e.strerror}") from e
+
+
 # --- dsec acquire / release ----------------------------------------------------------
 
 
 def cmd_acquire(args: argparse.Namespace) -> int:
     labels = _assignments(args.label, "--label")
+    claim = {
+        "env": _assignments(args.env, "--env"),
+        "files": {
+            path: _local_bytes(local) for path, local in _assignments(args.file, "--file").items()
+        },
+        "setup": ["sh", "-c", args.setup] if args.setup else None,
+    }
 
     async def acquire(client: Client) -> int:
-        sb = await client.acquire(args.pool, args.template, timeout=args.timeout, labels=labels)
+        try:
+            sb = await client.acquire(
+                args.pool, args.template, timeout=args.timeout, labels=labels, **claim
+            )
+        except DsecError as e:
+            if e.code != "setup_failed" or not e.details:
+                raise
+            ran = e.details[0]  # the setup's output, then why it failed
+            sys.stdout.write(ran.get("stdout", ""))
+            sys.stderr.write(ran.get("stderr", ""))
+            print(f"{args.prog}: {e.message} ({e.status} {e.code})", file=sys.stderr)
+            return 1
         print(sb.lease.model_dump_json() if args.json else sb.id)
         return 0
 
@@ -260,6 +285,19 @@ def register(sub: argparse._SubParsersAction) -> None:
     acq.add_argument("--template", default="base")
     acq.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for one")
     acq.add_argument("--label", action="append", default=[], metavar="KEY=VALUE")
+    acq.add_argument(
+        "--env", action="append", default=[], metavar="KEY=VALUE", help="on every command"
+    )
+    acq.add_argument(
+        "--file",
+        action="append",
+        default=[],
+        metavar="PATH=LOCAL",
+        help="write local file LOCAL at PATH in the work dir before the answer",
+    )
+    acq.add_argument(
+        "--setup", metavar="SCRIPT", help="a sh script run before the answer; its failure fails"
+    )
     acq.add_argument("--json", action="store_true", help="the whole lease, token included")
     acq.set_defaults(run=cmd_acquire)
 

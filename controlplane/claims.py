@@ -1,0 +1,132 @@
+"""Personalised claims: an acquire's own `env`, `files` and `setup`, checked here, where
+the acquire is made and before any sandbox is taken, and carried to the node in the
+lease's grant. The node applies them to the warm sandbox it hands out (agent/node.py,
+`Agent.lease`) before it answers, so the claim stays a warm hit.
+
+Files come as {path: bytes} or as a tar; either way the node gets one uncompressed tar
+whose every member lands in the template's work dir. A compressed tar is refused: its
+names could only be checked by unpacking it here.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import posixpath
+import tarfile
+from dataclasses import dataclass
+
+from dsec.httpkit import ApiError
+from dsec.models import AcquireRequest, TemplateSpec
+
+MAX_TAR_MEMBERS = 100_000
+
+
+@dataclass(frozen=True)
+class Personal:
+    """What a claim asks its sandbox to be, as the grant carries it."""
+
+    env: dict[str, str]
+    files_tar: bytes | None
+    setup: list[str] | None
+    timeout_s: float  # the acquire's: its setup ends by then
+
+    def grant_fields(self, waited_s: float) -> dict:
+        """The LeaseGrant's fields for this claim, after the acquire waited `waited_s`.
+        Its setup ends a little before the acquire's time does (a fifth of what is left,
+        2 s at most), so that a setup that overran is answered as one, not as a timeout."""
+        left = self.timeout_s - waited_s
+        return {
+            "env": self.env,
+            # (a Base64Bytes field takes base64, even from Python)
+            "files_tar": base64.b64encode(self.files_tar) if self.files_tar else None,
+            "setup": self.setup,
+            "setup_timeout_s": max(0.001, left - min(2.0, left / 5)),
+        }
+
+
+def personal_of(
+    body: AcquireRequest, template: TemplateSpec, max_bytes: int, mtime: float
+) -> Personal | None:
+    """The claim `body` makes of a sandbox of `template` (None: a plain one), or a 422
+    saying which of its files is wrong. `mtime` is what files given as bytes are dated."""
+    if not body.personalised:
+        return None
+    files = body.files
+    if isinstance(files, dict):
+        size = sum(len(data) for data in files.values())
+        _check_size(size, max_bytes)
+        tar = _tar_of(
+            {_checked(path, template.workdir): data for path, data in files.items()}, mtime
+        )
+    elif files:
+        _check_size(len(files), max_bytes)
+        _check_tar(files, template)
+        tar = files
+    else:
+        tar = None
+    setup = list(body.setup) if body.setup else None
+    return Personal(dict(body.env), tar, setup, body.timeout_s)
+
+
+def _refused(loc: str, msg: str, code: str = "validation_error") -> ApiError:
+    return ApiError(422, code, f"{loc}: {msg}", [{"loc": loc, "msg": msg}])
+
+
+def _check_size(size: int, max_bytes: int) -> None:
+    if size > max_bytes:
+        limit = f"{size} bytes, past {max_bytes} (the control plane's max_claim_files_bytes)"
+        raise _refused("files", limit, "files_too_large")
+
+
+def _checked(path: str, workdir: str) -> str:
+    """`path` relative to the work dir: given relative, or absolute inside it."""
+    relative = path
+    if path.startswith("/"):
+        if not path.startswith(workdir.rstrip("/") + "/"):
+            raise _refused(
+                f"files.{path}", f"outside the work dir {workdir}", "path_outside_workdir"
+            )
+        relative = path[len(workdir.rstrip("/")) + 1 :]
+    parts = relative.split("/")
+    if ".." in parts or not relative or relative.endswith("/"):
+        raise _refused(
+            f"files.{path}", f"not a file's path in the work dir {workdir}", "path_outside_workdir"
+        )
+    return posixpath.normpath(relative)
+
+
+def _tar_of(files: dict[str, bytes], mtime: float) -> bytes:
+    out = io.BytesIO()
+    with tarfile.open(fileobj=out, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for path, data in files.items():
+            info = tarfile.TarInfo(path)
+            info.size, info.mode, info.mtime = len(data), 0o644, mtime
+            tar.addfile(info, io.BytesIO(data))
+    return out.getvalue()
+
+
+def _check_tar(data: bytes, template: TemplateSpec) -> None:
+    """An uncompressed tar whose members all land in the work dir, and fit in it."""
+    try:
+        with tarfile.open(fileobj=io.BytesIO(data), mode="r:") as tar:
+            size = 0
+            for count, member in enumerate(tar, 1):
+                if count > MAX_TAR_MEMBERS:
+                    raise _refused("files", f"more than {MAX_TAR_MEMBERS} members")
+                name = member.name
+                if name.startswith("/") or ".." in name.split("/"):
+                    raise _refused(
+                        f"files.{name[:200]}",
+                        f"tar member outside the work dir {template.workdir}",
+                        "path_outside_workdir",
+                    )
+                if not (member.isreg() or member.isdir() or member.issym() or member.islnk()):
+                    raise _refused(f"files.{name[:200]}", "only files, directories and links")
+                size += member.size
+    except tarfile.TarError as e:
+        raise _refused("files", f"not an uncompressed tar archive ({e})") from e
+    if size > template.workdir_mb * 1024 * 1024:
+        raise _refused(
+            "files", f"unpacks to {size} bytes: past the work dir's {template.workdir_mb} MB"
+        )
