@@ -529,6 +529,7 @@ def create_agent_app(agent: Agent) -> web.Application:
         loops = [
             asyncio.create_task(runtime.refresh_images_forever(agent), name="images"),
             asyncio.create_task(runtime.watch_engine_forever(agent), name="engine"),
+            asyncio.create_task(runtime.watch_containers_forever(agent), name="containers"),
         ]
         if agent.config.controlplane_url:
             loops.append(asyncio.create_task(runtime.heartbeat_forever(agent), name="heartbeat"))

@@ -44,6 +44,9 @@ class AgentConfig(MetricsAccess):
     images_refresh_s: float = Field(10.0, gt=0)
     engine_check_s: float = Field(1.0, gt=0, le=60, description="how often the engine is pinged")
     engine_check_timeout_s: float = Field(5.0, gt=0, le=60, description="a slower answer: down")
+    container_check_s: float = Field(
+        2.0, gt=0, le=60, description="how often the node looks for containers that died"
+    )
     cleanup_on_exit: bool = False
     execs_per_sandbox: int = Field(
         64, ge=1, le=10_000, description="commands one sandbox runs at once; more answer 429"

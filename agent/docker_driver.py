@@ -28,7 +28,7 @@ from agent.engine import CREATES, CreateLimit, EngineQueue, Work
 from agent.host import kill_pid_namespace
 from agent.users import WORKDIR_MODE, numeric_user
 from dsec.clock import Clock
-from dsec.models import TemplateSpec
+from dsec.models import NodeLostCause, TemplateSpec
 
 T = TypeVar("T")
 STDOUT, STDERR = 1, 2
@@ -363,14 +363,18 @@ class AsyncDocker:
     async def unpause(self, container_id: str, work: Work) -> None:
         await self.call("unpause", self._container(container_id).unpause, work)
 
-    async def running(self, container_id: str) -> bool:
+    async def death_of(self, container_id: str) -> NodeLostCause | None:
+        """None while the container runs (or is paused); else how it died: killed for its
+        memory use past its limit, or any other way (a kill, a removal, from outside)."""
         try:
-            info = await self.call("inspect", self._container(container_id).show)
+            state = (await self.call("inspect", self._container(container_id).show))["State"]
         except DockerOpError as e:
             if e.kind == "not_found":
-                return False
+                return "container_died"
             raise
-        return bool(info["State"]["Running"])
+        if state["Running"]:
+            return None
+        return "oom_killed" if state.get("OOMKilled") else "container_died"
 
     async def remove(self, container_id: str, work: Work = Work.REMOVE) -> None:
         try:
@@ -425,9 +429,12 @@ class AsyncDocker:
             if e.kind != "not_found":
                 raise
 
-    async def list_labelled(self, node_id: str) -> list[ContainerSummary]:
-        label = {"label": [f"{LABEL_NODE}={node_id}"]}
-        rows = await self.call("list", lambda: self.api.containers.list(all=True, filters=label))
+    async def list_labelled(self, node_id: str, stopped: bool = False) -> list[ContainerSummary]:
+        """This node's containers (`stopped`: only those that have stopped), in one call."""
+        filters = {"label": [f"{LABEL_NODE}={node_id}"]}
+        if stopped:
+            filters["status"] = ["exited", "dead"]
+        rows = await self.call("list", lambda: self.api.containers.list(all=True, filters=filters))
         return [
             ContainerSummary(c["Id"], c["State"], c._container.get("Labels") or {}) for c in rows
         ]

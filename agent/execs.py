@@ -42,7 +42,13 @@ from agent.output import Gathered, Held, OutputBudget, RelayRate
 from agent.resident import CHUNK, RunningCommand
 from agent.sandboxes import Sandbox
 from dsec.httpkit import ApiError, CredentialRefused
-from dsec.models import ExecExit, ExecRequest, ExecResult, ExecStreamRequest
+from dsec.models import (
+    ExecExit,
+    ExecRequest,
+    ExecResult,
+    ExecStreamRequest,
+    NodeLostCause,
+)
 from dsec.tokens import lease_token_claim, lease_token_expiry
 
 if TYPE_CHECKING:
@@ -70,6 +76,11 @@ true
 KILL_TIMEOUT_S = 5.0  # a kill that takes longer: the stream is cut all the same
 DRAIN_AFTER_KILL_S = 2.0  # output of a killed command still in flight
 EXIT_CODE_TRIES = 20  # the output can end a moment before the engine records the exit
+# the exits of a command whose container died under it: SIGKILL with the rest of its PID
+# namespace, no exit recorded at all, or runc's "cannot exec" (126)
+DIED_WITH_ITS_CONTAINER = frozenset({126, 128 + 9, TIMEOUT_EXIT_CODE})
+DEATH_LOOKS = 5  # and the engine may see the container's end up to this many gaps later
+DEATH_LOOK_GAP_S = 0.02
 ENGINE_START_TRIES = 3  # an engine exec whose runc init died (see _engine_start)
 RUNC_ANSWERS_WITHIN_S = 0.5  # runc's own failure to start comes this soon, or not at all
 ENGINE_RESTART_AFTER_S = 0.1  # before the next try, times the tries so far
@@ -87,11 +98,14 @@ class Outcome:
 
 
 def _exited(sandbox_id: str) -> ApiError:
+    """A command's sandbox whose container has died: its lease is lost, and how (killed
+    from outside, its memory, the engine restarting) its node tells once its watch has
+    seen it twice (agent/runtime.py): the control plane answers it then."""
     return ApiError(
         409,
         "sandbox_exited",
-        f"sandbox {sandbox_id} is no longer running (its main process exited, for example "
-        "because PID 1 was signalled); release it and acquire another",
+        f"sandbox {sandbox_id} is no longer running (its container died); release it "
+        "and acquire another",
     )
 
 
@@ -455,10 +469,14 @@ class Execs:
         finally:
             await proc.close()
         code = TIMEOUT_EXIT_CODE if timed_out else await self._exit_code(proc)
-        # A container that stopped between the exec's create and start: runc exits 126
-        # and says so, before Docker's own view of the container has caught up.
-        if code == 126 and (RUNC_STOPPED in b"".join(first) or await self._stopped(sandbox)):
-            raise _exited(sandbox.id)
+        if not timed_out and code in DIED_WITH_ITS_CONTAINER:
+            # its container may have died under it: then the exit code is not the
+            # command's own, and its client hears that the sandbox was lost. A container
+            # that stopped between the exec's create and start: runc exits 126 and says
+            # so, before Docker's own view of the container has caught up.
+            died = await self._death(sandbox, settle=True)
+            if died is not None or (code == 126 and RUNC_STOPPED in b"".join(first)):
+                raise _exited(sandbox.id)
         return Outcome(
             exit_code=code,
             timed_out=timed_out,
@@ -536,13 +554,20 @@ class Execs:
         self.docker_failed(e)
         if sandbox.id not in self.leases.sandboxes:
             return ApiError(410, "released", f"sandbox {sandbox.id} was released")
-        if await self._stopped(sandbox):
+        if await self._death(sandbox) is not None:
             return _exited(sandbox.id)
         return ApiError(502, f"docker_{e.kind}", str(e))
 
-    async def _stopped(self, sandbox: Sandbox) -> bool:
-        try:
-            return not await self.docker.running(sandbox.record.container_id)
-        except DockerOpError as e:
-            self.docker_failed(e)
-            return False  # cannot tell: the command's own result is the answer
+    async def _death(self, sandbox: Sandbox, settle: bool = False) -> NodeLostCause | None:
+        """How `sandbox`'s container died, or None while it runs. `settle`: a command's
+        end may be seen before its container's, so look again for a moment."""
+        for _ in range(DEATH_LOOKS if settle else 1):
+            try:
+                if (died := await self.docker.death_of(sandbox.record.container_id)) is not None:
+                    return died
+            except DockerOpError as e:
+                self.docker_failed(e)
+                return None  # cannot tell: the command's own result is the answer
+            if settle:
+                await self.clock.sleep(DEATH_LOOK_GAP_S)
+        return None

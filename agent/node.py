@@ -14,6 +14,7 @@ import functools
 import logging
 import secrets
 from collections.abc import AsyncIterator, Coroutine
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -40,12 +41,14 @@ from agent.store import SandboxRecord, SandboxStore
 from dsec.clock import Clock
 from dsec.httpkit import ApiError, CredentialRefused
 from dsec.models import (
+    LOST_CAUSES,
     MAX_NODE_SANDBOXES,
     CreateSandbox,
     ExecRequest,
     LeaseEnd,
     LeaseGrant,
     NodeIdentity,
+    NodeLostCause,
     ResetSandbox,
     TemplateSpec,
     Usage,
@@ -83,6 +86,23 @@ def _write_archive(path: Path, data: bytes) -> None:
     write_private(path, data)
 
 
+@dataclass(frozen=True)
+class LostSandbox:
+    """A sandbox dropped because its container died under it (agent/runtime.py)."""
+
+    cause: NodeLostCause
+    at: float  # on the agent's clock
+
+    def error(self, sandbox_id: str) -> ApiError:
+        return ApiError(
+            410,
+            "sandbox_lost",
+            f"sandbox {sandbox_id} was lost: {LOST_CAUSES[self.cause]}; release it and "
+            "acquire another",
+            [{"outcome": self.cause}],
+        )
+
+
 class Agent:
     def __init__(
         self, config: AgentConfig, docker: AsyncDocker, clock: Clock, metrics: AgentMetrics
@@ -103,9 +123,12 @@ class Agent:
         # (and why: released, or its lease expired)
         self.released: RecentMap[str, LeaseEnd] = RecentMap(TOMBSTONES)
         self.stopping = False  # remove_all has begun: no create starts
-        # sandboxes whose container died with the engine -> why, for their clients
-        self.lost: RecentMap[str, str] = RecentMap(TOMBSTONES)
+        # sandboxes whose container died under them -> how, for their clients and reports
+        self.lost: RecentMap[str, LostSandbox] = RecentMap(TOMBSTONES)
         self.engine_ok = True  # the engine answered its last check or call
+        # how many times the engine has gone away: a container seen dead before one
+        # died with the engine, not of its own (agent/runtime.py)
+        self.engine_outages = 0
         self.images: list[str] = []
         self.url = ""  # set by listening_at() once the port is known
         self.listening = asyncio.Event()
@@ -290,8 +313,8 @@ class Agent:
     def get(self, sandbox_id: str) -> Sandbox:
         sandbox = self.sandboxes.get(sandbox_id)
         if sandbox is None:
-            if sandbox_id in self.lost:
-                raise ApiError(410, "sandbox_lost", f"sandbox {sandbox_id} {self.lost[sandbox_id]}")
+            if (lost := self.lost.get(sandbox_id)) is not None:
+                raise lost.error(sandbox_id)
             if (ended := self.released.get(sandbox_id)) is not None:
                 what = "its lease expired" if ended == "lease_expired" else "it was released"
                 raise ApiError(410, ended, f"sandbox {sandbox_id} is gone: {what}")
@@ -695,7 +718,12 @@ class Agent:
     def docker_failed(self, e: DockerOpError) -> None:
         self.metrics.docker_error(e.op, e.kind)
         if e.kind == "engine_unreachable":
-            self.engine_ok = False  # the engine watch brings it back
+            self.engine_away()  # the engine watch brings it back
+
+    def engine_away(self) -> None:
+        if self.engine_ok:
+            self.engine_outages += 1
+        self.engine_ok = False
 
     def require_engine(self) -> None:
         if not self.engine_ok:

@@ -37,6 +37,9 @@ if TYPE_CHECKING:
     from agent.node import Agent
 
 FULL_REPORT_EVERY = 60  # reports: a minute at the default heartbeat
+# a sandbox lost under its lease is named in every report for this long: whatever reports
+# the control plane missed or applied late (a restart), one of them tells it why
+LOST_REPORTED_S = 300.0
 
 
 def sandbox_report(sandbox: Sandbox, now: float) -> SandboxReport:
@@ -149,6 +152,7 @@ class ReportSequence:
 def node_report(agent: Agent, sequence: ReportSequence | None = None) -> NodeReport:
     """The node's next heartbeat in `sequence`; without one, a full report."""
     part = (sequence or ReportSequence()).next(map(sandbox_row, agent.sandboxes.values()))
+    now = agent.clock.now()
     return NodeReport(
         node_id=agent.config.node_id,
         kind=agent.config.kind,
@@ -159,9 +163,14 @@ def node_report(agent: Agent, sequence: ReportSequence | None = None) -> NodeRep
         incarnation=agent.incarnation,
         engine_ok=agent.engine_ok,
         create_limit=agent.docker.engine.creates.limit,
-        clock=agent.clock.now(),
+        clock=now,
         seq=part.seq,
         base=part.base,
         sandboxes=part.sandboxes,
         removed=part.removed,
+        lost={
+            sandbox_id: lost.cause
+            for sandbox_id, lost in agent.lost.items()
+            if now - lost.at <= LOST_REPORTED_S
+        },
     )

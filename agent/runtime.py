@@ -14,10 +14,10 @@ from pydantic import ValidationError
 
 from agent.docker_driver import LABEL_SANDBOX, DockerOpError
 from agent.engine import Work
-from agent.node import Agent
+from agent.node import Agent, LostSandbox
 from agent.report import ReportSequence, node_report
 from agent.sandboxes import Sandbox
-from dsec.models import NodeIdentity, ReportAck, TemplateSpec
+from dsec.models import NodeIdentity, NodeLostCause, ReportAck, TemplateSpec
 from dsec.states import SandboxState
 from dsec.tls import client_ssl
 
@@ -76,38 +76,72 @@ async def check_engine(agent: Agent) -> None:
             log.info("the Docker engine is back; node %s takes work again", agent.config.node_id)
         agent.engine_ok = True
     except TimeoutError:
-        agent.engine_ok = False
+        agent.engine_away()
     except DockerOpError as e:
         agent.docker_failed(e)
-        agent.engine_ok = False
+        agent.engine_away()
 
 
 async def reconcile(agent: Agent) -> None:
     """Drop the sandboxes whose containers are no longer running (a paused one still
-    counts as running). Their clients learn it from the control plane (a lease reported
-    lost) and from this agent (410 sandbox_lost), and the pool refills without them.
-    Each is looked at under its lock, so a create or restore that ends meanwhile is
-    seen as it is, not as a list taken before it."""
+    counts as running): an engine that restarted has stopped them all."""
     for sandbox in list(agent.sandboxes.values()):
-        async with sandbox.lock:
-            if agent.sandboxes.get(sandbox.record.id) is not sandbox or sandbox.state in (
-                SandboxState.CREATING,  # its create call is still in Docker's hands
-                SandboxState.HIBERNATED,  # no container: its image and archive survive
-                SandboxState.DESTROYING,
-            ):
-                continue
-            if await agent.docker.running(sandbox.record.container_id):
-                continue
-            log.warning("sandbox %s died with the Docker engine", sandbox.record.id)
-            sandbox.move(SandboxState.DESTROYING)
-            await agent.docker.remove(sandbox.record.container_id, Work.FREEZE)
-            await agent.store.delete(sandbox.record.id)
-            del agent.sandboxes[sandbox.record.id]
-            agent.lost.add(
-                sandbox.record.id,
-                "was lost: its container stopped when the node's Docker engine restarted; "
-                "release it and acquire another",
-            )
+        await drop_if_dead(agent, sandbox, "engine_lost")
+
+
+async def watch_containers_forever(agent: Agent) -> None:
+    """Find the containers that died while their sandboxes were held (killed or removed
+    from outside, or killed for their memory use): one list of the node's stopped
+    containers per look, whatever the node holds.
+
+    A container is dropped when a second look still finds it dead: an engine shutting
+    down stops its containers while it still answers, and if it went away between the
+    two looks, they died with it (engine_lost), not of their own."""
+    seen: dict[str, int] = {}  # container id -> the engine's outages when first seen dead
+    while True:
+        await agent.clock.sleep(agent.config.container_check_s)
+        if not agent.engine_ok:
+            continue  # its return reconciles every sandbox
+        try:
+            stopped = await agent.docker.list_labelled(agent.config.node_id, stopped=True)
+        except DockerOpError as e:
+            agent.docker_failed(e)
+            continue
+        dead = {}
+        for c in stopped:
+            sandbox = agent.sandboxes.get(c.labels.get(LABEL_SANDBOX, ""))
+            if sandbox is not None and sandbox.record.container_id == c.container_id:
+                dead[c.container_id] = sandbox
+        for container_id, sandbox in dead.items():
+            if (outages := seen.get(container_id)) is not None:
+                went_away = outages != agent.engine_outages
+                await drop_if_dead(agent, sandbox, "engine_lost" if went_away else None)
+        seen = {cid: seen.get(cid, agent.engine_outages) for cid in dead}
+
+
+async def drop_if_dead(agent: Agent, sandbox: Sandbox, cause: NodeLostCause | None = None) -> None:
+    """Drop `sandbox` if its container no longer runs, as lost by `cause` (or, None, by
+    what the engine says of its death). Its clients learn it from this agent (410
+    sandbox_lost, with the cause) and from the control plane (the next report names it
+    lost), and the pool refills without it. Looked at under its lock, so a create,
+    restore or removal that ends meanwhile is seen as it is, not as a list taken before."""
+    async with sandbox.lock:
+        if agent.sandboxes.get(sandbox.record.id) is not sandbox or sandbox.state in (
+            SandboxState.CREATING,  # its create call is still in Docker's hands
+            SandboxState.HIBERNATED,  # no container: its image and archive survive
+            SandboxState.DESTROYING,
+        ):
+            return
+        died = await agent.docker.death_of(sandbox.record.container_id)
+        if died is None:
+            return
+        cause = cause or died
+        log.warning("sandbox %s was lost: %s", sandbox.record.id, cause)
+        sandbox.move(SandboxState.DESTROYING)
+        await agent.docker.remove(sandbox.record.container_id, Work.FREEZE)
+        await agent.store.delete(sandbox.record.id)
+        del agent.sandboxes[sandbox.record.id]
+        agent.lost.add(sandbox.record.id, LostSandbox(cause, agent.clock.now()))
 
 
 async def refresh_images_forever(agent: Agent) -> None:

@@ -22,6 +22,7 @@ from controlplane.config import ControlPlaneConfig
 from controlplane.identities import Identities, check_agent_url
 from controlplane.images import ImageDistributor
 from controlplane.metrics import UNKNOWN_POOL
+from controlplane.outcomes import status_of
 from controlplane.scheduler import Scheduler, build_scheduler
 from controlplane.view import NodeEntry, SandboxEntry
 from dsec.addresses import is_loopback, is_loopback_address, unroutable
@@ -50,6 +51,7 @@ from dsec.models import (
     Capacity,
     Lease,
     LeaseRenewed,
+    LeaseStatus,
     NodeIdentity,
     NodeInfo,
     NodeList,
@@ -73,7 +75,7 @@ from dsec.models import (
     validation_details,
 )
 from dsec.states import ASSIGNED, SandboxState
-from dsec.tokens import LEASE_TOKEN_HEADER, client_id
+from dsec.tokens import LEASE_ID_PATTERN, LEASE_TOKEN_HEADER, client_id
 
 log = logging.getLogger(__name__)
 SCHEDULER = web.AppKey("scheduler", Scheduler)
@@ -195,6 +197,32 @@ async def get_lease(request: web.Request) -> web.Response:
     if entry.lease_id is None or not (entry.state in ASSIGNED or entry.state == SandboxState.LOST):
         raise ApiError(409, "not_leased", f"sandbox {sandbox_id} is {entry.state}, not leased")
     return model_response(s.leases.lease_of(entry, "warm", 0.0))
+
+
+async def lease_status(request: web.Request) -> web.Response:
+    """A lease the caller holds or held (an operator: any), running or ended: how it
+    ended is kept an hour past its end (controlplane/outcomes.py)."""
+    s = _client(request)
+    lease_id = request.match_info["lease_id"]
+    if not re.fullmatch(LEASE_ID_PATTERN, lease_id):
+        raise ApiError(400, "invalid_lease_id", f"{lease_id[:80]!r} is not a lease id")
+    visible = _visible_to(request, s)
+    lost_within_s = s.config.heartbeat_timeout_s + s.config.tick_s
+    end = s.leases.outcomes.get(lease_id)
+    if end is not None and visible(end):
+        return model_response(status_of(end, lost_within_s))
+    entry = s.leases.holding(lease_id)
+    if entry is None or not visible(entry):
+        raise ApiError(404, "unknown_lease", f"no lease {lease_id} of this caller's")
+    return model_response(
+        LeaseStatus(
+            lease_id=lease_id,
+            sandbox_id=entry.id,
+            pool=entry.pool,
+            ended=False,
+            lost_within_s=lost_within_s,
+        )
+    )
 
 
 async def release(request: web.Request) -> web.Response:
@@ -488,6 +516,15 @@ def controlplane_api() -> Api:
         answer=Lease,
         summary="the lease of a sandbox the caller holds (an operator: any), with its token; "
         'path and schedule_ms say "warm" and 0: the acquire\'s own are not kept',
+    )
+    api.route(
+        "GET",
+        "/v1/leases/{lease_id}",
+        lease_status,
+        answer=LeaseStatus,
+        summary="a lease the caller holds or held, and how it ended (kept an hour past its "
+        "end): released, expired, idle_timeout, node_lost, engine_lost, container_died, "
+        "oom_killed, evicted or setup_failed, and whether that is an infrastructure fault",
     )
     api.route(
         "DELETE",

@@ -21,6 +21,7 @@ from controlplane.claims import personal_of
 from controlplane.config import ClientQuota, ControlPlaneConfig, unknown_name
 from controlplane.identities import Identities
 from controlplane.metrics import ControlPlaneMetrics
+from controlplane.outcomes import LeaseOutcomes
 from controlplane.queue import PendingRequest, RequestQueues, scoped_key
 from controlplane.spent import KeyLog
 from controlplane.view import ClusterView, SandboxEntry
@@ -78,6 +79,7 @@ class Leases:
         self.identities = Identities.of(config)
         # sandboxes whose lease expired -> why: their clients hear 410 lease_expired
         self.expired: RecentMap[str, str] = RecentMap(TOMBSTONES)
+        self.outcomes = LeaseOutcomes(clock, metrics)
 
     # --- what the policy decided ------------------------------------------------------
 
@@ -148,7 +150,9 @@ class Leases:
                 entry.call_confirmed(now)
             else:  # its client holds a lease the node refused: it ends, and it is told why
                 self.actuator.failed(entry, "lease", result)
-                self.expire(ExpireLease(entry.id, f"its node refused it ({result.code})"), now)
+                refused = ExpireLease(entry.id, f"its node refused it ({result.code})")
+                self.outcomes.ended(entry, "node_lost", f"{refused.reason}: {result.message}")
+                self.expire(refused, now)
             return
         if req.scoped_key and (not result.ok or req.done.done()):
             # the key holds nothing after all (the sandbox goes below)
@@ -161,6 +165,7 @@ class Leases:
                     ApiError(422, "setup_failed", result.message, result.details)
                 )
                 self._forget_request(req)
+            self.outcomes.ended(entry, "setup_failed", result.message)
             entry.call_confirmed(now)
             self.actuator.destroy(entry, now, "destroy")
             return
@@ -197,6 +202,7 @@ class Leases:
         if entry is None or entry.state not in ASSIGNED or entry.lease_id is None:
             return  # released or gone meanwhile
         log.info("lease on %s expired: %s", entry.id, action.reason)
+        self.outcomes.ended(entry, action.outcome, action.reason)
         self.expired.add(entry.id, action.reason)
         self.metrics.leases_expired.labels(entry.pool).inc()
         key = scoped_key(entry.owner, entry.idempotency_key)
@@ -288,6 +294,15 @@ class Leases:
         releasing what has ended harms no one)."""
         key = self.identities.lease_key(entry.node)
         return lease_token_expiry(key, proof, entry.id, lease_id, owner) is not None
+
+    def holding(self, lease_id: str) -> SandboxEntry | None:
+        """The sandbox that holds lease `lease_id` now (a lost one's lease stands until its
+        outcome is told), if any."""
+        for state in (*ASSIGNED, SandboxState.LOST):
+            for entry in self.view.by_state[state].values():
+                if entry.lease_id == lease_id:
+                    return entry
+        return None
 
     def info_of(self, entry: SandboxEntry) -> SandboxInfo:
         return SandboxInfo(**self._info_fields(entry), lease_id=entry.lease_id)
@@ -520,6 +535,10 @@ class Leases:
         if entry.lease_id is None:  # its lease ended already: a recycle is resetting it
             raise ApiError(409, "already_released", f"sandbox {sandbox_id} is being released")
         self.metrics.episodes.labels(entry.pool).inc()
+        if proof is None:
+            self.outcomes.ended(entry, "evicted", "an operator removed it while it was leased")
+        else:
+            self.outcomes.ended(entry, "released", "its client released it")
         key = scoped_key(entry.owner, entry.idempotency_key)
         lease_id, recycle = entry.lease_id, self.recycles(entry)
         if recycle:

@@ -186,6 +186,13 @@ class ControlPlaneMetrics:
             ["pool"],
             registry=r,
         )
+        self.lease_outcomes = Counter(
+            "dsec_lease_outcomes_total",
+            "Leases ended, by how (released, expired, idle_timeout, node_lost, engine_lost, "
+            "container_died, oom_killed, evicted, setup_failed; docs/contracts.md)",
+            ["pool", "outcome"],
+            registry=r,
+        )
         self.image_transfers = Counter(
             "dsec_image_transfers_total",
             "Images sent from the control plane's host to nodes that lacked them, by outcome "

@@ -33,6 +33,7 @@ from controlplane.view import ClusterView, SandboxEntry
 from dsec.clock import Clock
 from dsec.httpkit import ApiError
 from dsec.models import (
+    LOST_CAUSES,
     NodeReport,
     PoolParams,
     PrewarmInfo,
@@ -131,8 +132,13 @@ class Scheduler:
         self.sandbox_seconds.account(now)
         waiting = self.queues.waiting()
         self._observe_demand(now, waiting)
-        for node in self.view.mark_silent_nodes(now, self.config.heartbeat_timeout_s):
+        timeout_s = self.config.heartbeat_timeout_s
+        for node in self.view.mark_silent_nodes(now, timeout_s):
             log.warning("node %s missed heartbeats: out of placement", node.id)
+            cause = f"its node {node.id} sent no heartbeat for {timeout_s:g} s"
+            for entry in self.view.on_node(node.id):
+                if entry.state == SandboxState.LOST:
+                    self.leases.outcomes.ended(entry, "node_lost", cause)
         self.actuator.retry_destroys(now)
         actions = self.policy.decide(self.snapshot(now, waiting), self.config.pools, now)
         self.apply(actions, now)
@@ -254,6 +260,10 @@ class Scheduler:
                 ", ".join(changes.unproven[:10]),
             )
         self.leases.learn(changes.added)
+        for entry in changes.vanished:
+            if entry.state == SandboxState.LOST:
+                outcome = report.lost.get(entry.id, "node_lost")
+                self.leases.outcomes.ended(entry, outcome, LOST_CAUSES[outcome])
         self.wake()
         return changes.ack
 

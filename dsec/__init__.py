@@ -8,6 +8,7 @@ from dsec.client import (
     ExecStream,
     Sandbox,
     SandboxFiles,
+    SandboxLost,
 )
 from dsec.models import ExecResult, FileInfo
 from dsec.sync_client import SyncClient, SyncExecStream, SyncSandbox, SyncSandboxFiles
@@ -22,6 +23,7 @@ __all__ = [
     "FileInfo",
     "Sandbox",
     "SandboxFiles",
+    "SandboxLost",
     "SyncClient",
     "SyncExecStream",
     "SyncSandbox",

@@ -31,13 +31,14 @@ from contextlib import asynccontextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, Literal, TypeVar
+from typing import IO, Any, Literal, TypeVar, get_args
 from urllib.parse import quote
 
 import aiohttp
 from pydantic import BaseModel
 
 from dsec.models import (
+    INFRA_FAULTS,
     MAX_STREAM_OUTPUT_BYTES,
     AcquireRequest,
     ExecExit,
@@ -49,8 +50,10 @@ from dsec.models import (
     FileRemoved,
     Lease,
     LeaseRenewed,
+    LeaseStatus,
     NodeInfo,
     NodeList,
+    NodeLostCause,
     PoolInfo,
     PoolList,
     PoolParams,
@@ -100,6 +103,33 @@ class DsecError(Exception):
     def __init__(self, status: int, code: str, message: str, details: Any = None) -> None:
         super().__init__(f"{status} {code}: {message}")
         self.status, self.code, self.message, self.details = status, code, message, details
+
+
+class SandboxLost(DsecError):
+    """A call on a lease that has ended under its client (not by its own release).
+
+    `cause` is how it ended (docs/contracts.md, "Lease outcomes": node_lost,
+    engine_lost, container_died, oom_killed, evicted, expired, idle_timeout);
+    `infra_fault` is whether that was the infrastructure's doing, not the workload's or
+    the pool's limits: a sample cut short by one says nothing of the policy that ran it,
+    so a trainer masks it (`except SandboxLost as e: if e.infra_fault: ...`). The
+    status and code are those of the answer that showed it (410 sandbox_lost, 409
+    sandbox_exited, ...)."""
+
+    def __init__(self, said: DsecError, cause: str, message: str | None = None) -> None:
+        super().__init__(said.status, said.code, message or said.message, said.details)
+        self.cause = cause
+        self.infra_fault = cause in INFRA_FAULTS
+
+
+# an answer from a sandbox's node that may mean its lease has ended: gone (410), its
+# container dead (409 sandbox_exited), or its node or engine failing (502, 503)
+_MAY_BE_LOST = frozenset({410, 502, 503})
+# past its lost_within_s, how long a client that cannot reach a lease's node still asks
+# whether it ended (an engine restarting takes some seconds to come back and be seen)
+LOST_MARGIN_S = 30.0
+LOST_POLL_S = 0.5
+_NODE_CAUSES = frozenset(get_args(NodeLostCause))  # what a node tells of a sandbox it lost
 
 
 @dataclass(frozen=True)
@@ -201,7 +231,8 @@ class ExecStream:
         return self.exit.duration_ms if self.exit else None
 
     async def __aenter__(self) -> ExecStream:
-        await self._ensure_open()
+        async with self.sandbox._lost_as_such():
+            await self._ensure_open()
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -211,6 +242,10 @@ class ExecStream:
         return self
 
     async def __anext__(self) -> ExecChunk:
+        async with self.sandbox._lost_as_such():
+            return await self._next()
+
+    async def _next(self) -> ExecChunk:
         await self._ensure_open()
         try:
             while not self._ended:
@@ -434,18 +469,25 @@ class SandboxFiles:
             async for chunk in resp.content.iter_chunked(TRANSFER_CHUNK_BYTES):
                 into.write(chunk)
 
-    def _request(self, method: str, route: str, query: dict[str, str], data: Body | None = None):
+    @asynccontextmanager
+    async def _request(
+        self, method: str, route: str, query: dict[str, str], data: Body | None = None
+    ) -> AsyncIterator[aiohttp.ClientResponse]:
         sb = self.sandbox
-        return sb.client._request(
-            method,
-            f"{sb.lease.agent_url}/v1/sandboxes/{sb.id}/files{route}",
-            token=sb.lease.lease_token,
-            params=query,
-            data=data,
-            timeout=aiohttp.ClientTimeout(
-                total=None, sock_connect=30, sock_read=TRANSFER_IDLE_TIMEOUT_S
-            ),
-        )
+        async with (
+            sb._lost_as_such(),
+            sb.client._request(
+                method,
+                f"{sb.lease.agent_url}/v1/sandboxes/{sb.id}/files{route}",
+                token=sb.lease.lease_token,
+                params=query,
+                data=data,
+                timeout=aiohttp.ClientTimeout(
+                    total=None, sock_connect=30, sock_read=TRANSFER_IDLE_TIMEOUT_S
+                ),
+            ) as resp,
+        ):
+            yield resp
 
 
 def _tar_contents(directory: Path, into: IO[bytes]) -> None:
@@ -475,6 +517,54 @@ class Sandbox:
     def node(self) -> str:
         return self.lease.node
 
+    @asynccontextmanager
+    async def _lost_as_such(self) -> AsyncIterator[None]:
+        """A call on this sandbox whose failure comes from its lease having ended under
+        it raises SandboxLost, with how it ended; any other failure is raised as it is."""
+        try:
+            yield
+        except SandboxLost:
+            raise
+        except DsecError as e:
+            if e.status not in _MAY_BE_LOST and e.code != "sandbox_exited":
+                raise
+            # a node that could not say how (a dead container it has not yet dropped, or
+            # its engine failing) leaves it to the control plane, which learns it soon
+            lost = await self._lost_by(e, wait=e.status >= 500 or e.code == "sandbox_exited")
+            if lost is None:
+                raise
+            raise lost from e
+        except aiohttp.ClientConnectionError as e:
+            said = DsecError(502, "node_unreachable", f"{self.lease.agent_url}: {e}")
+            lost = await self._lost_by(said, wait=True)
+            if lost is None:
+                raise
+            raise lost from e
+
+    async def _lost_by(self, said: DsecError, wait: bool) -> SandboxLost | None:
+        """How the lease ended, if `said` (a failed call on it) comes from its end: the
+        node's own word, or the control plane's; `wait`: the node could not say, so ask
+        until the control plane has had time to find its node lost."""
+        for detail in said.details if isinstance(said.details, list) else []:
+            if isinstance(detail, dict) and detail.get("outcome") in _NODE_CAUSES:
+                return SandboxLost(said, detail["outcome"])
+        deadline = None
+        while True:
+            try:
+                status = await self.client.lease_status(self.lease.lease_id)
+            except (DsecError, aiohttp.ClientError, TimeoutError):
+                return None  # the control plane cannot say either: the call's own error
+            if status.ended:
+                if status.outcome in (None, "released"):
+                    return None  # its client's own doing
+                why = f"{said.message} (its lease ended: {status.outcome}, {status.message})"
+                return SandboxLost(said, status.outcome, why)
+            now = asyncio.get_running_loop().time()
+            deadline = deadline or now + status.lost_within_s + LOST_MARGIN_S
+            if not wait or now >= deadline:
+                return None
+            await asyncio.sleep(LOST_POLL_S)
+
     async def exec(
         self,
         cmd: list[str],
@@ -493,14 +583,15 @@ class Sandbox:
             workdir=workdir,
             encoding="base64",  # bytes as they are: the SDK decodes the text itself
         )
-        result = await self.client._call(
-            "POST",
-            f"{self.lease.agent_url}/v1/sandboxes/{self.id}/exec",
-            ExecResult,
-            body,
-            token=self.lease.lease_token,
-            timeout=timeout + 30,
-        )
+        async with self._lost_as_such():
+            result = await self.client._call(
+                "POST",
+                f"{self.lease.agent_url}/v1/sandboxes/{self.id}/exec",
+                ExecResult,
+                body,
+                token=self.lease.lease_token,
+                timeout=timeout + 30,
+            )
         return ExecOutput.from_result(result)
 
     async def shell(self, script: str, timeout: float = 60.0, **kw: Any) -> ExecOutput:
@@ -745,6 +836,11 @@ class Client:
         except DsecError as e:
             if e.code not in ("already_released", "unknown_sandbox", "lease_expired"):
                 raise
+
+    async def lease_status(self, lease_id: str) -> LeaseStatus:
+        """A lease this client holds or held, running or ended, and how it ended (kept an
+        hour past its end)."""
+        return await self._call("GET", f"{self.url}/v1/leases/{lease_id}", LeaseStatus)
 
     async def get(self, sandbox_id: str) -> SandboxInfo:
         return await self._call("GET", f"{self.url}/v1/sandboxes/{sandbox_id}", SandboxInfo)

@@ -205,6 +205,55 @@ class LeaseRenewed(Wire):
 
 LeaseEnd = Literal["released", "lease_expired"]  # why a sandbox went, as its clients hear
 
+# How a lease ended: one of these for every lease, kept an hour past its end
+# (GET /v1/leases/{lease_id}; docs/contracts.md, "Lease outcomes").
+LeaseOutcome = Literal[
+    "released",  # its client (or its `sandbox()` block) gave it back
+    "expired",  # it reached its pool's max_lease_s
+    "idle_timeout",  # no command and no renewal for its pool's lease_idle_timeout_s
+    "node_lost",  # its node stopped answering, or no longer had it after a restart
+    "engine_lost",  # its node's Docker engine restarted, which stops every container
+    "container_died",  # its container stopped from outside the lease (docker kill, rm)
+    "oom_killed",  # its container died of its own memory use past the template's limit
+    "evicted",  # an operator removed it while it was leased
+    "setup_failed",  # its claim's setup command failed: it was never handed out
+]
+# The outcomes that are the infrastructure's doing, not the lease's client's or its
+# workload's: a sample cut short by one of these says nothing of the policy that ran it.
+# `expired` and `idle_timeout` are limits the pool sets and the client can see coming;
+# `oom_killed` and `setup_failed` are the workload's own.
+INFRA_FAULTS: frozenset[str] = frozenset({"node_lost", "engine_lost", "container_died", "evicted"})
+# what an agent can tell of a sandbox it dropped because its container died
+NodeLostCause = Literal["engine_lost", "container_died", "oom_killed"]
+# what a client is told of a sandbox its node lost, by the node's word (node_lost: none)
+LOST_CAUSES = {
+    "node_lost": "its node no longer has it (its agent restarted without it)",
+    "engine_lost": "its container stopped when its node's Docker engine restarted",
+    "container_died": "its container was stopped from outside the lease",
+    "oom_killed": "its container was killed for its memory use past the template's memory_mb",
+}
+
+
+class LeaseStatus(Wire):
+    """A lease, running or ended: GET /v1/leases/{lease_id}."""
+
+    lease_id: str
+    sandbox_id: SandboxId
+    pool: str
+    ended: bool
+    outcome: LeaseOutcome | None = Field(None, description="how it ended (None: it has not)")
+    infra_fault: bool | None = Field(
+        None,
+        description="whether it ended by the infrastructure's fault, not its client's or its "
+        "workload's (None: it has not ended)",
+    )
+    message: str | None = Field(None, description="what happened, in words")
+    ended_at: float | None = Field(None, description="when it ended, Unix seconds")
+    lost_within_s: float = Field(
+        description="how long, at most, after its node stops answering the control plane "
+        "calls it node_lost: a client that cannot reach the node asks again within this"
+    )
+
 
 class Released(Wire):
     id: SandboxId
@@ -641,6 +690,12 @@ class NodeReport(Wire):
         max_length=MAX_NODE_SANDBOXES,
         description="a delta's sandboxes gone since report `base`",
     )
+    lost: dict[SandboxId, NodeLostCause] = Field(
+        default_factory=dict,
+        max_length=MAX_NODE_SANDBOXES,
+        description="sandboxes the agent dropped lately because their container died, and "
+        "why (kept in its reports for a few minutes, whatever the control plane acknowledged)",
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> NodeReport:
@@ -649,7 +704,7 @@ class NodeReport(Wire):
         if self.base is not None and self.base >= self.seq:
             raise ValueError(f"base ({self.base}) must be an earlier report than seq ({self.seq})")
         mine = self.node_id + "."
-        if not all(i.startswith(mine) for i in chain(self.sandboxes.id, self.removed)):
+        if not all(i.startswith(mine) for i in chain(self.sandboxes.id, self.removed, self.lost)):
             raise ValueError(f"every sandbox id must be of node {self.node_id}")
         return self
 

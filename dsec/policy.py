@@ -59,6 +59,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
 from operator import attrgetter
+from typing import Literal
 
 from dsec.models import PoolParams
 from dsec.states import SandboxState
@@ -248,6 +249,7 @@ class ExpireLease:
 
     sandbox_id: str
     reason: str
+    outcome: Literal["expired", "idle_timeout"] = "expired"  # the lease's, for its client
 
 
 @dataclass(frozen=True)
@@ -792,7 +794,9 @@ class _Decision:
             active_at = max(sb.idle_since, sb.leased_at, sb.renewed_at or sb.leased_at)
             if self.now - active_at >= params.lease_idle_timeout_s:
                 self.actions.append(
-                    ExpireLease(sb.id, "no command and no renewal for lease_idle_timeout_s")
+                    ExpireLease(
+                        sb.id, "no command and no renewal for lease_idle_timeout_s", "idle_timeout"
+                    )
                 )
 
     # 9 ---------------------------------------------------------------------------

@@ -110,6 +110,7 @@ def agent_args(
     cleanup_on_exit: bool = True,
     execs_per_sandbox: int | None = None,
     execs_per_node: int | None = None,
+    container_check_s: float | None = None,
     tls: TlsFiles | None = None,
 ) -> list[str]:
     """The arguments of `dsec agent` (after `python -m dsec.cli`, see dsec_argv) for an
@@ -134,6 +135,8 @@ def agent_args(
         args += ["--execs-per-sandbox", str(execs_per_sandbox)]
     if execs_per_node is not None:
         args += ["--execs-per-node", str(execs_per_node)]
+    if container_check_s is not None:
+        args += ["--container-check-s", str(container_check_s)]
     if tls is not None:
         args += tls.args()
     return args

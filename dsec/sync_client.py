@@ -146,6 +146,7 @@ class SyncClient:
     release = _Blocking()
     renew = _Blocking()
     get = _Blocking()
+    lease_status = _Blocking()
     list = _Blocking()
     nodes = _Blocking()
     drain_node = _Blocking()

@@ -40,6 +40,9 @@ def new_token() -> str:
     return secrets.token_urlsafe(32)
 
 
+LEASE_ID_PATTERN = r"[0-9a-f]{32}"  # what new_lease_id makes
+
+
 def new_lease_id() -> str:
     return secrets.token_hex(16)
 

@@ -22,10 +22,10 @@ from inprocess import InProcessControlPlane, inprocess_controlplane
 from prometheus_client.parser import text_string_to_metric_families
 
 from agent.docker_driver import LABEL_NODE, LABEL_SANDBOX, RUNC_INIT_DIED
-from dsec.client import Client
+from dsec.client import Client, Sandbox
 from dsec.image import ensure_base_image
 from dsec.launch.local import LocalPool, LocalPoolSpec
-from dsec.models import Capacity, PoolParams
+from dsec.models import Capacity, NodeInfo, PoolParams
 from dsec.processes import stop_process
 
 TEST_POOL_PREFIX = "test-"
@@ -182,6 +182,31 @@ async def start_agent(
         raise
     agent.drain = asyncio.create_task(proc.stdout.read())
     return agent
+
+
+async def node_info(operator: Client, node_id: str) -> NodeInfo | None:
+    return next((n for n in (await operator.nodes()).nodes if n.node_id == node_id), None)
+
+
+async def until_placeable(pool: LocalPool, node_id: str) -> None:
+    """Wait until the pool's control plane places sandboxes on `node_id` (a new agent)."""
+    async with Client(pool.url, token=pool.tokens.admin) as operator:
+
+        async def placeable() -> bool:
+            info = await node_info(operator, node_id)
+            return info is not None and info.placeable
+
+        await eventually(placeable, f"{node_id} to register")
+
+
+async def acquire_on(client: Client, node_id: str, held: list[Sandbox], limit: int = 8) -> Sandbox:
+    """Acquire until a sandbox lands on `node_id`; the others stay held (in `held`)."""
+    for _ in range(limit):
+        sandbox = await client.acquire(pool="default", template="base", timeout=30)
+        held.append(sandbox)
+        if sandbox.node == node_id:
+            return sandbox
+    raise AssertionError(f"no sandbox landed on {node_id} in {limit} acquires")
 
 
 async def eventually(check, what: str = "", timeout: float = 30.0, interval: float = 0.1):

@@ -111,7 +111,7 @@ class IdleEngine:
     def __init__(self) -> None:
         self.engine = EngineQueue(1, CreateLimit(), time.monotonic)  # nothing ever queues
 
-    async def list_labelled(self, node_id: str) -> list:
+    async def list_labelled(self, node_id: str, stopped: bool = False) -> list:
         return []
 
     async def image_tags(self) -> list[str]:

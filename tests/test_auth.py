@@ -32,7 +32,9 @@ ALICE, BOB = new_token(), new_token()
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def pool(docker_client, tmp_path_factory) -> AsyncIterator[LocalPool]:
-    spec = make_spec(tmp_path_factory.mktemp("auth"), nodes=2)
+    # the agents look for dead containers once a minute, not every 2 s: a sandbox whose
+    # container a test kills is still there for the command that finds it dead
+    spec = make_spec(tmp_path_factory.mktemp("auth"), nodes=2, container_check_s=60.0)
     # the control plane takes a comma-separated list of client tokens from DSEC_TOKEN
     with pytest.MonkeyPatch.context() as env:
         env.setenv("DSEC_TOKEN", f"{ALICE},{BOB}")

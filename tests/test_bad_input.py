@@ -82,7 +82,7 @@ def app_acquire_url(controlplane_app) -> str:
         (b'{"files": {"dir/": "aGk="}}', 422, "path_outside_workdir", "files.dir/"),
         (b'{"files": {"a": "not base64!"}}', 422, "validation_error", "files"),
         (
-            json.dumps({"files": b64(gzip.compress(tar_of("a")))}).encode(),
+            json.dumps({"files": b64(gzip.compress(tar_of("a"), mtime=0))}).encode(),
             422,
             "validation_error",
             "files",
@@ -102,6 +102,8 @@ def app_acquire_url(controlplane_app) -> str:
         (b'{"setup": []}', 422, "validation_error", "setup"),
         (b'{"setup": "make"}', 422, "validation_error", "setup"),
     ],
+    # a tar's body, whole, would make an id of kilobytes
+    ids=lambda v: v[:48].decode("ascii", "replace") if isinstance(v, bytes) else None,
 )
 async def test_bad_acquire_bodies(controlplane_app, app_acquire_url, payload, status, code, field):
     got, body = await call("POST", app_acquire_url, controlplane_app.tokens.client, data=payload)

@@ -25,7 +25,7 @@ from conftest import commands_running, make_spec, started_pool, take_last_pid, t
 from agent.docker_driver import LABEL_SANDBOX, LOOP_CAPS
 from agent.users import FIRST_UID
 from controlplane.config import default_templates
-from dsec.client import Client, DsecError, Sandbox
+from dsec.client import Client, Sandbox, SandboxLost
 from dsec.image import PASSWD
 from dsec.launch.local import LocalPool
 
@@ -204,13 +204,14 @@ async def test_signalling_pid_1(client, docker_client, neighbour):
             tried = await sb.exec(["sh", "-c", f"kill -{sig} 1; sleep 0.2; echo survived"])
             assert tried.stdout == "survived\n" and "not permitted" in tried.stderr, tried
         assert (await sb.exec(["true"])).exit_code == 0
-        # its init ended from outside (the host): its client is told so, plainly,
-        # instead of getting a Docker error
+        # its init ended from outside (the host): its client is told so, plainly, as
+        # the infrastructure's fault, instead of getting a Docker error (409
+        # sandbox_exited while its node still holds it, 410 sandbox_lost once dropped)
         os.kill(container_of(docker_client, sb.id).attrs["State"]["Pid"], signal.SIGKILL)
         await asyncio.sleep(1)
-        with pytest.raises(DsecError) as e:
+        with pytest.raises(SandboxLost) as e:
             await sb.exec(["true"])
-        assert (e.value.status, e.value.code) == (409, "sandbox_exited"), e.value
+        assert (e.value.cause, e.value.infra_fault) == ("container_died", True), e.value
     await assert_responsive(neighbour)
 
 

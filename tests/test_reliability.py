@@ -26,21 +26,24 @@ import pytest
 import pytest_asyncio
 from conftest import (
     ExtraAgent,
+    acquire_on,
     commands_running,
     eventually,
     make_spec,
     metric_value,
+    node_info,
     pool_containers,
     start_agent,
     started_pool,
+    until_placeable,
 )
 
 from agent.docker_driver import LABEL_NODE
 from controlplane.config import default_templates
-from dsec.client import Client, DsecError, Sandbox
+from dsec.client import Client, DsecError, Sandbox, SandboxLost
 from dsec.image import BASE_IMAGE, ensure_base_image
 from dsec.launch.local import LocalPool
-from dsec.models import Capacity, NodeInfo, PoolParams, TemplateSpec
+from dsec.models import Capacity, PoolParams, TemplateSpec
 from dsec.processes import STOP_GRACE_S
 
 PRIVATE_HOST = "127.0.0.9"  # LocalPool gives its own agents 127.0.0.2 upwards
@@ -154,31 +157,11 @@ async def private_node(pool: LocalPool, engine: PrivateEngine) -> AsyncIterator[
         env={"DOCKER_HOST": engine.socket},
     )
     try:
-        async with Client(pool.url, token=pool.tokens.admin) as operator:
-
-            async def registered() -> bool:
-                info = await node_info(operator, agent.node_id)
-                return info is not None and info.placeable
-
-            await eventually(registered, f"{agent.node_id} to register")
+        await until_placeable(pool, agent.node_id)
         yield agent
     finally:
         await agent.stop()
         assert not engine.containers(agent.node_id), "the agent left containers behind"
-
-
-async def node_info(operator: Client, node_id: str) -> NodeInfo | None:
-    return next((n for n in (await operator.nodes()).nodes if n.node_id == node_id), None)
-
-
-async def acquire_on(client: Client, node_id: str, held: list[Sandbox], limit: int = 8) -> Sandbox:
-    """Acquire until a sandbox lands on `node_id`; the others stay held (in `held`)."""
-    for _ in range(limit):
-        sandbox = await client.acquire(pool="default", template="base", timeout=30)
-        held.append(sandbox)
-        if sandbox.node == node_id:
-            return sandbox
-    raise AssertionError(f"no sandbox landed on {node_id} in {limit} acquires")
 
 
 @pytest.mark.asyncio(loop_scope="module")
@@ -204,9 +187,9 @@ async def test_engine_restart_loses_its_sandboxes_clearly_and_the_node_recovers(
     await eventually(engine_down, "the node to report its engine down", timeout=15)
     info = await node_info(operator, node_id)
     assert info is not None and info.healthy, "it still heartbeats: its leases are not lost"
-    with pytest.raises(DsecError) as failed:
-        await victim.exec(["true"])
-    assert failed.value.status == 502 and failed.value.code == "docker_engine_unreachable"
+    # a command meanwhile fails on the engine (502), and its client waits to learn
+    # whether the lease survives: no engine restarts with its containers running
+    pending = asyncio.ensure_future(victim.exec(["true"]))
 
     # the other node keeps serving, and no new work goes to the node without an engine
     for sandbox in held:
@@ -224,14 +207,21 @@ async def test_engine_restart_loses_its_sandboxes_clearly_and_the_node_recovers(
         return info is not None and info.engine_ok and info.placeable
 
     await eventually(engine_back, "the node to take work again", timeout=20)
+    with pytest.raises(SandboxLost) as lost:
+        await pending
+    assert (lost.value.cause, lost.value.infra_fault) == ("engine_lost", True), lost.value
+    assert lost.value.code == "docker_engine_unreachable", "raised from the call's own error"
+    status = await client.lease_status(victim.lease.lease_id)
+    assert (status.outcome, status.infra_fault) == ("engine_lost", True)
 
     async def victim_lost() -> bool:
         return (await client.get(victim.id)).state == "lost"
 
     await eventually(victim_lost, "the dead sandbox to be reported lost", timeout=15)
-    with pytest.raises(DsecError) as gone:
+    with pytest.raises(SandboxLost) as gone:
         await victim.exec(["true"])
     assert gone.value.status == 410 and gone.value.code == "sandbox_lost"
+    assert gone.value.cause == "engine_lost"
     assert "Docker engine restarted" in gone.value.message
     await victim.release()  # a lost lease is released without fuss
     stopped = [c for c in engine.containers(node_id) if c.status != "running"]
@@ -355,12 +345,17 @@ async def test_a_node_stopped_while_commands_run_removes_its_sandboxes_and_exits
             exit_code = await asyncio.wait_for(node.proc.wait(), STOP_GRACE_S / 2)
             assert exit_code == 0  # by itself, not the supervisor's SIGKILL
             assert not pool_containers(docker_client, node.node_id)
-            with pytest.raises(aiohttp.ClientError):  # the connection ended, unanswered
+            # the connections ended, unanswered; their client learns from the control
+            # plane that the node went with its sandboxes
+            with pytest.raises(SandboxLost) as lost:
                 await running
-            with pytest.raises(DsecError) as cut:
+            assert isinstance(lost.value.__cause__, aiohttp.ClientError), lost.value
+            assert (lost.value.cause, lost.value.infra_fault) == ("node_lost", True)
+            with pytest.raises(SandboxLost) as cut:
                 async for _ in stream:
                     pass
             assert cut.value.code == "stream_closed", cut.value
+            assert (cut.value.cause, cut.value.infra_fault) == ("node_lost", True)
     finally:
         await node.stop()
         for sandbox in held:

@@ -181,6 +181,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
             cleanup_on_exit=args.cleanup_on_exit,
             execs_per_sandbox=args.execs_per_sandbox,
             execs_per_node=args.execs_per_node,
+            container_check_s=args.container_check_s,
             sandbox_uid_base=args.sandbox_uid_base,
             sandbox_uid_count=args.sandbox_uid_count,
             metrics_token=os.environ.get("DSEC_METRICS_TOKEN") or None,
@@ -403,6 +404,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         type=int,
         default=AgentConfig.model_fields["execs_per_node"].default,
         help="commands this node runs at once; more answer 429",
+    )
+    ag.add_argument(
+        "--container-check-s",
+        type=float,
+        default=AgentConfig.model_fields["container_check_s"].default,
+        help="how often the node looks for containers that died under their sandboxes",
     )
     ag.add_argument(
         "--sandbox-uid-base",

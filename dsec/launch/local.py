@@ -82,6 +82,7 @@ class LocalPoolSpec:
     templates: dict[str, TemplateSpec] = field(default_factory=default_templates)
     execs_per_sandbox: int | None = None  # the agents' own default unless set
     execs_per_node: int | None = None
+    container_check_s: float | None = None  # the agents' own default unless set
     # /metrics and discovery need a metrics token (DSEC_METRICS_TOKEN, made if unset);
     # a metrics token set in the environment turns this on as well. `dsec up` sets it
     # unless --open-metrics (pool_fields); a spec made in code keeps them open
@@ -272,6 +273,7 @@ class LocalPool:
                 heartbeat_s=self.spec.heartbeat_s,
                 execs_per_sandbox=self.spec.execs_per_sandbox,
                 execs_per_node=self.spec.execs_per_node,
+                container_check_s=self.spec.container_check_s,
                 tls=self.tls,
             )
             self.agents.append(await self._spawn(node_id, args, self.node_env(node_id)))
