@@ -79,8 +79,8 @@ EXIT_CODE_TRIES = 20  # the output can end a moment before the engine records th
 # the exits of a command whose container died under it: SIGKILL with the rest of its PID
 # namespace, no exit recorded at all, or runc's "cannot exec" (126)
 DIED_WITH_ITS_CONTAINER = frozenset({126, 128 + 9, TIMEOUT_EXIT_CODE})
-DEATH_LOOKS = 5  # and the engine may see the container's end up to this many gaps later
-DEATH_LOOK_GAP_S = 0.02
+DEATH_LOOKS = 10  # and the engine may see the container's end up to this many gaps later
+DEATH_LOOK_GAP_S = 0.03
 ENGINE_START_TRIES = 3  # an engine exec whose runc init died (see _engine_start)
 RUNC_ANSWERS_WITHIN_S = 0.5  # runc's own failure to start comes this soon, or not at all
 ENGINE_RESTART_AFTER_S = 0.1  # before the next try, times the tries so far
@@ -559,14 +559,19 @@ class Execs:
         return ApiError(502, f"docker_{e.kind}", str(e))
 
     async def _death(self, sandbox: Sandbox, settle: bool = False) -> NodeLostCause | None:
-        """How `sandbox`'s container died, or None while it runs. `settle`: a command's
-        end may be seen before its container's, so look again for a moment."""
+        """How `sandbox`'s container died, or None while it runs (or when the engine
+        cannot say). `settle`: a command's end may be seen before its container's, so
+        look again for a moment; and an engine that cannot say then (one shutting down
+        kills its containers as it goes) leaves the command's exit code unvouched for:
+        502, and its client learns from the control plane whether the lease survived."""
         for _ in range(DEATH_LOOKS if settle else 1):
             try:
                 if (died := await self.docker.death_of(sandbox.record.container_id)) is not None:
                     return died
             except DockerOpError as e:
                 self.docker_failed(e)
+                if settle:
+                    raise ApiError(502, f"docker_{e.kind}", str(e)) from e
                 return None  # cannot tell: the command's own result is the answer
             if settle:
                 await self.clock.sleep(DEATH_LOOK_GAP_S)

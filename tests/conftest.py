@@ -11,7 +11,6 @@ import contextlib
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
@@ -22,11 +21,11 @@ from inprocess import InProcessControlPlane, inprocess_controlplane
 from prometheus_client.parser import text_string_to_metric_families
 
 from agent.docker_driver import LABEL_NODE, LABEL_SANDBOX, RUNC_INIT_DIED
+from bench.extra_nodes import node_info
 from dsec.client import Client, Sandbox
 from dsec.image import ensure_base_image
 from dsec.launch.local import LocalPool, LocalPoolSpec
-from dsec.models import Capacity, NodeInfo, PoolParams
-from dsec.processes import stop_process
+from dsec.models import Capacity, PoolParams
 
 TEST_POOL_PREFIX = "test-"
 # pools this session started: the end-of-session check looks at these alone, so two
@@ -129,63 +128,6 @@ async def controlplane_app() -> AsyncIterator[InProcessControlPlane]:
     """A control plane in this process with no agents (tests/inprocess.py): no Docker."""
     async with inprocess_controlplane() as cp:
         yield cp
-
-
-@dataclass
-class ExtraAgent:
-    """An agent process started beside a pool's own: it joins the pool, and may leave."""
-
-    node_id: str
-    proc: asyncio.subprocess.Process
-    drain: asyncio.Task | None = None
-
-    async def stop(self) -> None:
-        await stop_process(self.proc)
-        if self.drain is not None:
-            with contextlib.suppress(Exception):
-                await self.drain
-
-
-async def start_agent(
-    pool: LocalPool,
-    node_id: str,
-    *,
-    host: str,
-    slots: int,
-    kind: str = "local",
-    env: dict[str, str] | None = None,
-) -> ExtraAgent:
-    """`dsec agent` registering with the pool; `env` may point it at another engine."""
-    from dsec.processes import agent_args, child_env, dsec_argv
-
-    args = agent_args(
-        node_id,
-        kind=kind,
-        host=host,
-        controlplane=pool.url,
-        capacity=Capacity(cpus=slots, memory_mb=slots * 1024, slots=slots),
-        state_dir=pool.dir,
-        heartbeat_s=pool.spec.heartbeat_s,
-    )
-    proc = await asyncio.create_subprocess_exec(
-        *dsec_argv(*args),
-        stdout=asyncio.subprocess.PIPE,
-        env={**child_env(pool.tokens.agent_env()), **(env or {})},
-        start_new_session=True,
-    )
-    agent = ExtraAgent(node_id, proc)
-    assert proc.stdout is not None
-    try:
-        await asyncio.wait_for(proc.stdout.readline(), 60)  # its "listening" line
-    except TimeoutError:
-        await agent.stop()
-        raise
-    agent.drain = asyncio.create_task(proc.stdout.read())
-    return agent
-
-
-async def node_info(operator: Client, node_id: str) -> NodeInfo | None:
-    return next((n for n in (await operator.nodes()).nodes if n.node_id == node_id), None)
 
 
 async def until_placeable(pool: LocalPool, node_id: str) -> None:

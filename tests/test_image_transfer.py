@@ -15,23 +15,19 @@ import asyncio
 import contextlib
 import io
 import json
-import shutil
 import tarfile
-import tempfile
 import uuid
 from collections.abc import AsyncIterator, Iterator
-from pathlib import Path
 
 import aiohttp
 import docker
 import pytest
 import pytest_asyncio
 from aiohttp import web
-from conftest import ExtraAgent, eventually, make_spec, metric_value, start_agent, started_pool
+from conftest import eventually, make_spec, metric_value, started_pool
 from inprocess import served
-from test_reliability import PrivateEngine, node_info
 
-from agent.docker_driver import LABEL_NODE
+from bench.extra_nodes import ExtraAgent, PrivateEngine, node_info, private_engine, start_agent
 from controlplane.agents import HttpAgents
 from controlplane.config import ControlPlaneConfig, default_templates
 from controlplane.identities import Identities
@@ -89,18 +85,10 @@ def with_garbled_layer(archive: bytes) -> bytes:
 
 @pytest.fixture(scope="module")
 def second_engine() -> Iterator[PrivateEngine]:
-    """A dockerd of this module's own, stopped (and waited for) and its dirs removed at
-    the end; in short paths, as a unix socket's must fit in 108 bytes."""
-    engine = PrivateEngine(Path(tempfile.mkdtemp(prefix="dsec-e2-", dir="/tmp")))
-    try:
-        engine.start()
+    """A dockerd of this module's own, without the base image (what it is sent is the
+    test), stopped (and waited for) and its dirs removed at the end."""
+    with private_engine("dsec-e2-", base_image=False) as engine:
         yield engine
-    finally:
-        with contextlib.suppress(docker.errors.DockerException):
-            for c in engine.client().containers.list(all=True, filters={"label": LABEL_NODE}):
-                c.remove(force=True)
-        engine.stop()
-        shutil.rmtree(engine.root, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")

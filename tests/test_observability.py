@@ -24,10 +24,11 @@ import aiohttp
 import docker
 import pytest
 import pytest_asyncio
-from conftest import ExtraAgent, eventually, make_spec, start_agent, started_pool
+from conftest import eventually, make_spec, started_pool
 from prometheus_client.parser import text_string_to_metric_families
 
 from agent.docker_driver import LABEL_NODE, LABEL_SANDBOX
+from bench.extra_nodes import ExtraAgent, start_agent
 from controlplane.metrics import UNKNOWN_POOL
 from dsec.client import Client, DsecError
 from dsec.launch.local import LocalPool

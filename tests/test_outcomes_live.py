@@ -17,17 +17,10 @@ from collections.abc import AsyncIterator
 
 import pytest
 import pytest_asyncio
-from conftest import (
-    acquire_on,
-    eventually,
-    make_spec,
-    metric_value,
-    start_agent,
-    started_pool,
-    until_placeable,
-)
+from conftest import acquire_on, eventually, make_spec, metric_value, started_pool, until_placeable
 
 from agent.docker_driver import LABEL_NODE, LABEL_SANDBOX
+from bench.extra_nodes import start_agent
 from dsec.client import Client, DsecError, Sandbox, SandboxLost
 from dsec.launch.local import LocalPool
 from dsec.models import LeaseStatus, PoolParams

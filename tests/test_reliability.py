@@ -10,128 +10,48 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import shutil
 import signal
-import subprocess
-import tempfile
-import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass
-from pathlib import Path
 
 import aiohttp
 import docker
 import pytest
 import pytest_asyncio
 from conftest import (
-    ExtraAgent,
     acquire_on,
     commands_running,
     eventually,
     make_spec,
     metric_value,
-    node_info,
     pool_containers,
-    start_agent,
     started_pool,
     until_placeable,
 )
 
 from agent.docker_driver import LABEL_NODE
+from bench.extra_nodes import (
+    DISK_MB,
+    ExtraAgent,
+    PrivateEngine,
+    node_info,
+    private_engine,
+    start_agent,
+)
 from controlplane.config import default_templates
 from dsec.client import Client, DsecError, Sandbox, SandboxLost
-from dsec.image import BASE_IMAGE, ensure_base_image
+from dsec.image import BASE_IMAGE
 from dsec.launch.local import LocalPool
 from dsec.models import Capacity, PoolParams, TemplateSpec
 from dsec.processes import STOP_GRACE_S
 
 PRIVATE_HOST = "127.0.0.9"  # LocalPool gives its own agents 127.0.0.2 upwards
-DISK_MB = 200
-
-
-@dataclass
-class PrivateEngine:
-    """A dockerd of our own: restarted and filled up without disturbing anyone else's."""
-
-    root: Path
-    process: subprocess.Popen | None = None
-
-    @property
-    def socket(self) -> str:
-        return f"unix://{self.root}/docker.sock"
-
-    @property
-    def data_root(self) -> Path:
-        return self.root / "data"
-
-    def client(self) -> docker.DockerClient:
-        return docker.DockerClient(base_url=self.socket, timeout=30)
-
-    def start(self) -> None:
-        log = open(self.root / "dockerd.log", "a")  # noqa: SIM115 (dockerd keeps it)
-        self.process = subprocess.Popen(
-            [
-                "dockerd", "--bridge=none", "--iptables=false",
-                "--data-root", str(self.data_root),
-                "--exec-root", str(self.root / "exec"),
-                "--pidfile", str(self.root / "docker.pid"),
-                "-H", self.socket,
-            ],
-            stdout=log, stderr=log, start_new_session=True,
-        )  # fmt: skip
-        for _ in range(300):
-            with contextlib.suppress(docker.errors.DockerException):
-                self.client().ping()
-                return
-            time.sleep(0.1)
-        raise AssertionError(f"private dockerd did not start: {self.root}/dockerd.log")
-
-    def stop(self) -> None:
-        """As `systemctl stop docker` does: SIGTERM, and dockerd stops its containers."""
-        if self.process is None:
-            return
-        self.process.terminate()
-        try:
-            self.process.wait(timeout=30)  # reaped: no zombie left behind
-        except subprocess.TimeoutExpired:
-            raise AssertionError("private dockerd did not stop") from None
-        self.process = None
-
-    def fill_disk(self) -> None:
-        with open(self.data_root / "filler", "wb") as f, contextlib.suppress(OSError):
-            f.write(b"\0" * (DISK_MB << 20))  # stops at ENOSPC
-
-    def free_disk(self) -> None:
-        (self.data_root / "filler").unlink(missing_ok=True)
-
-    def containers(self, node_id: str) -> list:
-        # sparse: no inspect per container, which races with removals under way
-        return self.client().containers.list(
-            all=True, sparse=True, filters={"label": f"{LABEL_NODE}={node_id}"}
-        )
 
 
 @pytest.fixture(scope="module")
 def engine() -> Iterator[PrivateEngine]:
-    # short: a unix socket path must fit in 108 bytes
-    engine = PrivateEngine(Path(tempfile.mkdtemp(prefix="dsec-engine-", dir="/tmp")))
-    engine.data_root.mkdir()
-    subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={DISK_MB}m", "tmpfs", str(engine.data_root)],
-        check=True,
-    )
-    try:
-        engine.start()
-        ensure_base_image(engine.client())
+    with private_engine("dsec-engine-", DISK_MB) as engine:
         yield engine
-    finally:
-        with contextlib.suppress(docker.errors.DockerException):
-            for c in engine.client().containers.list(all=True, filters={"label": LABEL_NODE}):
-                c.remove(force=True)
-        engine.stop()
-        subprocess.run(["umount", "-l", str(engine.data_root)], check=False)
-        shutil.rmtree(engine.root, ignore_errors=True)
 
 
 @pytest_asyncio.fixture(loop_scope="module")
