@@ -90,7 +90,7 @@ from bench.rollout_repo import (
 )
 from bench.soak import Teardown, local_pool, run_to_report
 from bench.stats import summary_ms
-from dsec.client import Client
+from dsec.client import Client, SandboxLost
 from dsec.launch.local import LocalPool
 from dsec.models import PoolParams, TemplateSpec
 from dsec.processes import interrupt_on_termination
@@ -409,11 +409,14 @@ class Step:
     close_s: list[float] = field(default_factory=list)
     calls: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
     failures: list[str] = field(default_factory=list)
+    # of the failures, dsec's SandboxLost with infra_fault: samples a trainer masks
+    infra_faults: int = 0
     cpu_s: float | None = 0.0
     host_busy: list[float] = field(default_factory=list)
 
     def add(self, other: Step) -> None:
         self.episodes += other.episodes
+        self.infra_faults += other.infra_faults
         self.wall_s += other.wall_s
         for name in ("open_s", "upload_s", "read_s", "close_s", "failures", "host_busy"):
             getattr(self, name).extend(getattr(other, name))
@@ -456,6 +459,7 @@ async def rollout(
         step.episodes += 1
     except (*CALL_ERRORS, *BASELINE_ERRORS) as e:
         step.failures.append(f"episode {i}: {type(e).__name__}: {e}")
+        step.infra_faults += isinstance(e, SandboxLost) and e.infra_fault
     finally:
         try:
             await timed(step.close_s, session.close())
@@ -490,6 +494,9 @@ def step_figures(s: Step) -> dict:
         "episodes": s.episodes,
         "failures": len(s.failures),
         "failure_samples": s.failures[:5],
+        "infra_faults_per_1000": round(1000 * s.infra_faults / started, 2)
+        if (started := s.episodes + len(s.failures))
+        else None,
         "wall_s": round(s.wall_s, 2),
         "episodes_per_hour": round(s.episodes * 3600 / s.wall_s, 1) if s.wall_s else None,
         "open_ms": summary_ms(s.open_s),
@@ -747,12 +754,13 @@ def render(r: dict) -> str:
         f"{r['cores']} cores",
         "",
     ]
-    headers = ["", "episodes", "failed", "wall s", "episodes/h", "open p50", "open p99",
-               "upload p50", "call p50", "call p99", "read p50", "close p50", "cpu s",
+    headers = ["", "episodes", "failed", "infra/1000", "wall s", "episodes/h", "open p50",
+               "open p99", "upload p50", "call p50", "call p99", "read p50", "close p50", "cpu s",
                "cpu/(wall*cores)", "host busy"]  # fmt: skip
     rows = []
     for side, s in r["sides"].items():
-        rows.append([side, s["episodes"], s["failures"], s["wall_s"], s["episodes_per_hour"],
+        rows.append([side, s["episodes"], s["failures"], s["infra_faults_per_1000"], s["wall_s"],
+                     s["episodes_per_hour"],
                      s["open_ms"]["p50"], s["open_ms"]["p99"], s["upload_ms"]["p50"],
                      s["tool_call_ms"]["p50"], s["tool_call_ms"]["p99"], s["read_ms"]["p50"],
                      s["close_ms"]["p50"], s["containers_cpu_s"], s["share_of_cores"],

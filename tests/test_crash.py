@@ -25,7 +25,7 @@ import pytest_asyncio
 from conftest import eventually, make_spec, started_pool
 
 from agent.docker_driver import LABEL_NODE, LABEL_SANDBOX
-from dsec.client import Client, DsecError, Sandbox
+from dsec.client import Client, DsecError, Sandbox, SandboxLost
 from dsec.launch.local import Child, LocalPool
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -118,8 +118,12 @@ async def test_a_killed_agent_is_reported_lost_then_adopts_its_sandboxes(
     assert lost_after_s <= LOST_WITHIN_S, f"reported lost after {lost_after_s:.1f} s"
     for sb in on_victim:
         assert (await client.get(sb.id)).state == "lost"
-        with pytest.raises(aiohttp.ClientConnectionError):
-            await sb.exec(["true"])  # its agent is gone: no answer at all
+        # its agent is gone: no answer at all, so the SDK asks the control plane,
+        # which has ended the lease as an infrastructure fault the trainer masks
+        with pytest.raises(SandboxLost) as lost_call:
+            await sb.exec(["true"])
+        assert (lost_call.value.cause, lost_call.value.infra_fault) == ("node_lost", True)
+        assert isinstance(lost_call.value.__cause__, aiohttp.ClientConnectionError)
 
     # the other nodes keep serving: their leases, and new acquires
     await assert_same_sandboxes(elsewhere)
@@ -132,8 +136,12 @@ async def test_a_killed_agent_is_reported_lost_then_adopts_its_sandboxes(
     assert restarted.url == victim.url
     leased_again = partial(all_in_state, operator, on_victim, "leased")
     await eventually(leased_again, "the restarted node to report its leases", timeout=10)
-    # same containers, same files, same tokens: adopted, not recreated
+    # same containers, same files, same tokens: adopted, not recreated; the outcome
+    # told stands (docs/contracts.md, "Lease outcomes"): its sample was masked already
     await assert_same_sandboxes(leases)
+    for sb in on_victim:
+        status = await client.lease_status(sb.lease.lease_id)
+        assert (status.ended, status.outcome) == (True, "node_lost")
     await assert_every_container_accounted_for(operator, docker_client, pool)
     await asyncio.gather(*(sb.release() for sb in leases + fresh))
     await assert_every_container_accounted_for(operator, docker_client, pool)

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import io
+import asyncio
 import json
 import tarfile
 
 from conftest import pool_containers
 
-from bench.rollout import SIDES, main, render, targets
+from dsec.client import DsecError, SandboxLost
+
+from bench.rollout import SIDES, Step, main, render, rollout, step_figures, targets
 from bench.rollout_repo import (
     ToolCall,
     check_output,
@@ -22,7 +25,8 @@ from bench.rollout_repo import (
 def side(episodes_per_hour: float, call_p50: float, open_p99: float, failures: int = 0) -> dict:
     summary = {"n": 1, "p50": call_p50, "p95": call_p50, "p99": call_p50, "max": call_p50}
     return {
-        "episodes": 64 - failures, "failures": failures, "failure_samples": [], "wall_s": 60.0,
+        "episodes": 64 - failures, "failures": failures, "failure_samples": [],
+        "infra_faults_per_1000": 0.0, "wall_s": 60.0,
         "episodes_per_hour": episodes_per_hour, "open_ms": {**summary, "p99": open_p99},
         "open_ms_by_path": {"warm": {**summary, "p99": open_p99}},
         "upload_ms": summary, "tool_call_ms": summary, "tool_call_ms_by_kind": {"ls": summary},
@@ -126,3 +130,51 @@ def test_a_tiny_rollout_runs_every_episode_on_each_side_and_leaves_nothing(docke
     assert r["engine_ops_dsec_rollout"].get("exec_start", 0) == 0
     assert r["leftovers"]["pool_left"] == r["leftovers"]["floor_left"] == 0
     assert not pool_containers(docker_client, "bench-floor-")
+
+
+class FailingSession:
+    """An episode whose first tool call fails with `error`: what rollout() counts."""
+
+    opened_by = "warm"
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+    async def open(self) -> None:
+        pass
+
+    async def upload(self, repo) -> None:
+        pass
+
+    async def run(self, call):
+        raise self.error
+
+    async def read_result(self) -> bytes:
+        raise AssertionError("not reached")
+
+    async def close(self) -> None:
+        pass
+
+
+def test_infra_faults_per_1000_counts_only_the_lost_samples_a_trainer_masks():
+    said = DsecError(502, "node_unreachable", "gone")
+    errors = [
+        SandboxLost(said, "node_lost"),  # infrastructure: masked
+        SandboxLost(said, "oom_killed"),  # the workload's own: a real zero reward
+        DsecError(500, "internal", "not a lost lease"),
+        SandboxLost(said, "engine_lost"),
+    ]
+    step = Step()
+    repo = make_repo(0)
+    for i, error in enumerate(errors):
+        asyncio.run(rollout(step, lambda e=error: FailingSession(e), repo, tool_calls(), i))
+    figures = step_figures(step)
+    assert (figures["episodes"], figures["failures"]) == (0, 4)
+    assert figures["infra_faults_per_1000"] == 500.0  # 2 of 4 started
+    assert "500.0" in render_row_of(figures)
+
+
+def render_row_of(figures: dict) -> str:
+    good = side(1.0, 1.0, 1.0)
+    r = report(good | figures, good, good, churn(1.0, 1.0), churn(1.0, 1.0))
+    return render(r | {"targets": targets(r)})
