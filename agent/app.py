@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import get_args
 
@@ -59,6 +60,7 @@ from dsec.models import (
     Released,
     ResetSandbox,
     SandboxReport,
+    SnapshotMade,
 )
 from dsec.states import SandboxState
 
@@ -69,6 +71,8 @@ WS_HEARTBEAT_S = 30.0  # pings keep an idle command's connection alive through p
 WS_FIRST_MESSAGE_S = 30.0  # a client that upgrades must send its command this soon
 WS_CLOSE_WAIT_S = 10.0  # after the exit message, how long the client has to close
 
+
+SNAPSHOT_ID_RE = re.compile(r"[0-9a-f]{32}")
 
 AGENT = web.AppKey("agent", Agent)
 IMAGE_LOADER = web.AppKey("image_loader", ImageLoader)
@@ -326,6 +330,40 @@ async def remove_file(request: web.Request) -> web.Response:
     return model_response(FileRemoved(path=path))
 
 
+async def snapshot_sandbox(request: web.Request) -> web.Response:
+    """A fork's copy of the sandbox's work dir and /tmp as they are now (agent/snapshots.py)."""
+    agent = _control_plane_only(request)
+    sandbox = agent.get(sandbox_id_param(request))
+    made = await agent.to_completion(agent.snapshots.make(sandbox))
+    return model_response(made, 201)
+
+
+def _snapshot_param(request: web.Request) -> str:
+    snapshot_id = request.match_info["snapshot"]
+    if not SNAPSHOT_ID_RE.fullmatch(snapshot_id):
+        raise ApiError(400, "invalid_snapshot_id", f"not a snapshot id: {snapshot_id[:40]!r}")
+    return snapshot_id
+
+
+async def read_snapshot(request: web.Request) -> web.StreamResponse:
+    """One tar of a copy, for a node a fork of it was granted on: its token, which the
+    control plane gave that node in the grant, is the credential."""
+    agent = _agent(request)
+    index = request.match_info["index"]
+    if not index.isdigit() or len(index) > 2:
+        raise ApiError(400, "invalid_index", f"not a part of a snapshot: {index[:40]!r}")
+    path = agent.snapshots.path_of(_snapshot_param(request), bearer_token(request), int(index))
+    count_authenticated(request)
+    return web.FileResponse(path, headers={"Content-Type": "application/x-tar"})
+
+
+async def drop_snapshot(request: web.Request) -> web.Response:
+    agent = _control_plane_only(request)
+    snapshot_id = _snapshot_param(request)
+    dropped = await agent.snapshots.drop(snapshot_id)
+    return web.json_response({"snapshot": snapshot_id, "dropped": dropped})
+
+
 async def load_image(request: web.Request) -> web.Response:
     _control_plane_only(request)
     chunks = body_chunks(request, FILE_CHUNK)
@@ -479,6 +517,26 @@ def agent_api() -> Api:
         summary="unpack a tar into a directory, made if missing (?path=; lease token)",
     )
     api.route(
+        "POST",
+        "/v1/sandboxes/{sandbox_id}/snapshot",
+        snapshot_sandbox,
+        answer=SnapshotMade,
+        summary="copy a sandbox's work dir and /tmp as they are now, for its forks (control "
+        "plane only; agent/snapshots.py)",
+    )
+    api.route(
+        "GET",
+        "/v1/snapshots/{snapshot}/{index}",
+        read_snapshot,
+        summary="one directory of a copy as a tar (the copy's token, from a fork's grant)",
+    )
+    api.route(
+        "DELETE",
+        "/v1/snapshots/{snapshot}",
+        drop_snapshot,
+        summary="drop a copy its forks have taken (control plane only)",
+    )
+    api.route(
         "PUT",
         "/v1/images",
         load_image,
@@ -524,6 +582,7 @@ def create_agent_app(agent: Agent) -> web.Application:
 
     async def lifecycle(app: web.Application) -> AsyncIterator[None]:
         await asyncio.to_thread(agent.protect_state_dir)
+        await asyncio.to_thread(agent.snapshots.clear)
         await runtime.adopt(agent)
         await runtime.refresh_images(agent)  # the first heartbeat already says what it holds
         loops = [
@@ -539,6 +598,7 @@ def create_agent_app(agent: Agent) -> web.Application:
         await agent.settle(within_s=SHUTDOWN_WAIT_S)
         if agent.config.cleanup_on_exit:
             await agent.remove_all()
+        await agent.snapshots.close()
         await agent.store.close()
         await agent.audit.close()
         await agent.docker.close()

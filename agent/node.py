@@ -37,6 +37,7 @@ from agent.metrics import AgentMetrics
 from agent.reset import leftovers, main_of, reset_dirs, reset_script, split_reset_output
 from agent.resident import BOOTED, NO_COMMAND, Resident
 from agent.sandboxes import Sandbox
+from agent.snapshots import Snapshots
 from agent.store import SandboxRecord, SandboxStore
 from dsec.clock import Clock
 from dsec.httpkit import ApiError, CredentialRefused
@@ -64,6 +65,7 @@ from dsec.states import (
     THAWED_FROM,
     SandboxState,
 )
+from dsec.tls import client_ssl
 from dsec.tokens import LeaseClaim
 
 log = logging.getLogger(__name__)
@@ -138,6 +140,14 @@ class Agent:
         self.operations: set[asyncio.Task] = set()  # see to_completion()
         self.resident = Resident(config, docker, clock, self.docker_failed, self.operations)
         self.files = Files(docker, self.docker_failed)
+        # forks' copies of this node's sandboxes, and the reading of others' (agent/snapshots.py)
+        self.snapshots = Snapshots(
+            config.state_dir / f"{config.node_id}-snapshots",
+            config.node_id,
+            self.files,
+            clock,
+            client_ssl(config.ca),
+        )
         self.execs = Execs(
             leases=self,
             resident=self.resident,
@@ -371,7 +381,7 @@ class Agent:
         await self.store.put(sandbox.record)
         sandbox.move(SandboxState.LEASED)
         sandbox.last_active = self.clock.now()
-        if not (grant.files_tar or grant.setup):
+        if not (grant.files_tar or grant.setup or grant.fork_from):
             return None
         # (a task of its own: the lock is left for the setup's command to take)
         sandbox.claim_applied = asyncio.ensure_future(self._apply_claim(sandbox, grant))
@@ -381,6 +391,8 @@ class Agent:
         """The claim's files, then its setup command; if either fails, the sandbox goes
         and the failure is 422 setup_failed (with the setup's result as its details)."""
         try:
+            if grant.fork_from:
+                await self.snapshots.copy_into(sandbox, grant.fork_from)
             if grant.files_tar:
                 tar = grant.files_tar
 

@@ -28,6 +28,7 @@ class CallResult:
     message: str
     busy_s: float | None = None  # a removal: what the sandbox ran, all time
     details: list[dict] | None = None  # the agent's error details (a failed setup's output)
+    answer: dict | None = None  # a success's JSON body, for the calls that answer one
 
     @property
     def refused(self) -> bool:
@@ -86,6 +87,12 @@ class AgentClient(Protocol):
         """Recycle a released sandbox: end its lease, kill its processes, empty its work
         dir, /tmp and /dev/shm, check, and make it warm again. Any failure: not warm."""
 
+    async def snapshot(self, node: AgentAddress, sandbox_id: str) -> CallResult:
+        """A fork's copy of a sandbox's work dir and /tmp (`answer`: a SnapshotMade)."""
+
+    async def drop_snapshot(self, node: AgentAddress, snapshot_id: str) -> CallResult:
+        """The forks have their copies: the node drops it."""
+
 
 # A create waits its turn in its agent's engine queue (agent/engine.py), behind the
 # creates a burst gave that node, so it may take far longer than any other call. Given
@@ -131,7 +138,7 @@ class HttpAgents:
         url = f"{node.url}/v1/sandboxes/{sandbox_id}/lease"
         # a claim's setup runs before the agent answers: the call waits for it
         timeout = None
-        if grant.setup:
+        if grant.setup or grant.fork_from:
             timeout = aiohttp.ClientTimeout(total=grant.setup_timeout_s + self.timeout_s)
         return await self._call(node, "POST", url, grant, grant.request_id, timeout)
 
@@ -153,6 +160,15 @@ class HttpAgents:
     async def reset(self, node: AgentAddress, sandbox_id: str, req: ResetSandbox) -> CallResult:
         url = f"{node.url}/v1/sandboxes/{sandbox_id}/reset"
         return await self._call(node, "POST", url, req, req.request_id)
+
+    async def snapshot(self, node: AgentAddress, sandbox_id: str) -> CallResult:
+        url = f"{node.url}/v1/sandboxes/{sandbox_id}/snapshot"
+        # a copy of a full work dir takes longer than a control call
+        return await self._call(node, "POST", url, None, sandbox_id, self.create_timeout)
+
+    async def drop_snapshot(self, node: AgentAddress, snapshot_id: str) -> CallResult:
+        url = f"{node.url}/v1/snapshots/{snapshot_id}"
+        return await self._call(node, "DELETE", url, None, snapshot_id)
 
     async def _verb(self, node: AgentAddress, sandbox_id: str, verb: str) -> CallResult:
         url = f"{node.url}/v1/sandboxes/{sandbox_id}/{verb}"
@@ -188,7 +204,7 @@ class HttpAgents:
                 payload = payload if isinstance(payload, dict) else {}
                 if resp.status < 300:
                     busy_s = payload.get("busy_s")
-                    return CallResult(True, resp.status, "ok", "", busy_s=busy_s)
+                    return CallResult(True, resp.status, "ok", "", busy_s=busy_s, answer=payload)
                 err = payload.get("error")
                 err = err if isinstance(err, dict) else {}
                 details = err.get("details")

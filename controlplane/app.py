@@ -49,6 +49,8 @@ from dsec.models import (
     NAME_PATTERN,
     AcquireRequest,
     Capacity,
+    Forked,
+    ForkRequest,
     Lease,
     LeaseRenewed,
     LeaseStatus,
@@ -223,6 +225,21 @@ async def lease_status(request: web.Request) -> web.Response:
             lost_within_s=lost_within_s,
         )
     )
+
+
+async def fork(request: web.Request) -> web.Response:
+    """Copies of a leased sandbox's work dir and /tmp, each on a lease of its own
+    (controlplane/forks.py): the caller's lease token on the source, or an admin token."""
+    s = _client(request)
+    token = bearer_token(request)
+    proof = (
+        None
+        if token_matches(token, s.config.admin_tokens)
+        else token_header(request, LEASE_TOKEN_HEADER)
+    )
+    sandbox_id = sandbox_id_param(request)
+    body = await read_model(request, ForkRequest)
+    return model_response(await s.forks.fork(sandbox_id, proof, client_id(token), body), 201)
 
 
 async def release(request: web.Request) -> web.Response:
@@ -541,6 +558,15 @@ def controlplane_api() -> Api:
         answer=LeaseRenewed,
         summary="the lease's client is alive: its idle timeout starts again (client token "
         "holding the lease)",
+    )
+    api.route(
+        "POST",
+        "/v1/sandboxes/{sandbox_id}/fork",
+        fork,
+        body=ForkRequest,
+        answer=Forked,
+        summary="count new leases on copies of the sandbox's work dir and /tmp as they are "
+        "now, spread over nodes; all or none (client token with the lease token, or admin)",
     )
     api.route("GET", "/v1/nodes", list_nodes, answer=NodeList, summary="registered nodes")
     api.route(

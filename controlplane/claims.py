@@ -17,7 +17,7 @@ import tarfile
 from dataclasses import dataclass
 
 from dsec.httpkit import ApiError
-from dsec.models import AcquireRequest, TemplateSpec
+from dsec.models import AcquireRequest, ForkSource, TemplateSpec
 
 MAX_TAR_MEMBERS = 100_000
 
@@ -30,6 +30,7 @@ class Personal:
     files_tar: bytes | None
     setup: list[str] | None
     timeout_s: float  # the acquire's: its setup ends by then
+    fork_from: ForkSource | None = None  # a fork's: where its node reads the copy
 
     def grant_fields(self, waited_s: float) -> dict:
         """The LeaseGrant's fields for this claim, after the acquire waited `waited_s`.
@@ -41,6 +42,7 @@ class Personal:
             # (a Base64Bytes field takes base64, even from Python)
             "files_tar": base64.b64encode(self.files_tar) if self.files_tar else None,
             "setup": self.setup,
+            "fork_from": self.fork_from,
             "setup_timeout_s": max(0.001, left - min(2.0, left / 5)),
         }
 

@@ -289,6 +289,10 @@ class Leases:
             return NO_EXPIRY
         return math.ceil(self.clock.wall() + params.max_lease_s)
 
+    def holds(self, entry: SandboxEntry, proof: str) -> bool:
+        """Whether `proof` is a token of `entry`'s lease now."""
+        return entry.lease_id is not None and self._holds(entry, proof, entry.lease_id, entry.owner)
+
     def _holds(self, entry: SandboxEntry, proof: str, lease_id: str, owner: str | None) -> bool:
         """Whether `proof` is a token of that lease on `entry` (past its expiry or not:
         releasing what has ended harms no one)."""
@@ -339,7 +343,7 @@ class Leases:
         )
         quota = self.config.quota_of(owner) if owner is not None else None
         if quota is not None:
-            self._check_allowed(quota, body)
+            self.check_allowed(quota, body.pool, body.priority)
         key = scoped_key(owner, body.idempotency_key)
         if key is not None and key not in self.by_key:
             await self._resync(body.timeout_s)
@@ -366,22 +370,22 @@ class Leases:
         if key is not None:
             self.by_key[key] = req
         self.wake()
-        return await self._await_lease(req, body.timeout_s)
+        return await self.await_lease(req, body.timeout_s)
 
-    def _check_allowed(self, quota: ClientQuota, body: AcquireRequest) -> None:
+    def check_allowed(self, quota: ClientQuota, pool: str, priority: int) -> None:
         """What the client may ask for at all: 403 naming the limit."""
-        if quota.pools is not None and body.pool not in quota.pools:
+        if quota.pools is not None and pool not in quota.pools:
             raise ApiError(
                 403,
                 "pool_not_allowed",
-                f"this client may use pools {quota.pools}, not {body.pool!r}",
+                f"this client may use pools {quota.pools}, not {pool!r}",
             )
-        if quota.max_priority is not None and body.priority > quota.max_priority:
+        if quota.max_priority is not None and priority > quota.max_priority:
             raise ApiError(
                 403,
                 "priority_not_allowed",
                 f"this client may ask for priority {quota.max_priority} at most (its "
-                f"quota's max_priority), not {body.priority}",
+                f"quota's max_priority), not {priority}",
                 [{"loc": "priority", "msg": f"at most {quota.max_priority}"}],
             )
 
@@ -397,12 +401,7 @@ class Leases:
                     f"this client has {pending} acquires waiting (max_pending {quota.max_pending})",
                 )
         if quota.max_leases is not None:
-            held = sum(
-                1
-                for state in ASSIGNED
-                for e in self.view.by_state[state].values()
-                if e.owner == owner and e.lease_id is not None
-            )
+            held = self.held_by(owner)
             if held >= quota.max_leases:
                 raise ApiError(
                     429,
@@ -410,6 +409,15 @@ class Leases:
                     f"this client holds {held} leases (max_leases {quota.max_leases}); "
                     "release one first",
                 )
+
+    def held_by(self, owner: str) -> int:
+        """The leases client `owner` holds."""
+        return sum(
+            1
+            for state in ASSIGNED
+            for e in self.view.by_state[state].values()
+            if e.owner == owner and e.lease_id is not None
+        )
 
     async def _resync(self, timeout_s: float) -> None:
         """Hold a keyed acquire until the agents have reported since this control plane
@@ -443,13 +451,13 @@ class Leases:
     async def _acquire_again(self, key: str, body: AcquireRequest) -> Lease:
         known = self.by_key[key]
         if isinstance(known, PendingRequest):
-            return await self._await_lease(known, body.timeout_s)
+            return await self.await_lease(known, body.timeout_s)
         entry = self.view.sandboxes.get(known)
         if entry is None or entry.state not in ASSIGNED:
             raise _key_spent(body.idempotency_key, known)
         return self.lease_of(entry, "warm", 0.0)
 
-    async def _await_lease(self, req: PendingRequest, timeout_s: float) -> Lease:
+    async def await_lease(self, req: PendingRequest, timeout_s: float) -> Lease:
         """Wait for `req`'s lease up to this caller's own timeout. A retry with the same
         key waits on the same request: the request is given up only when its last
         waiter times out or leaves."""
@@ -480,6 +488,12 @@ class Leases:
             raise
         finally:
             req.waiters -= 1
+
+    def give_back_unserved(self, entry: SandboxEntry, why: str) -> None:
+        """A lease made for a caller that will never be told of it (a fork whose other
+        copies failed): it ends as a claim that failed, and its sandbox goes."""
+        self.outcomes.ended(entry, "setup_failed", why)
+        self.actuator.track(asyncio.ensure_future(self._give_back(entry)))
 
     async def _give_back(self, entry: SandboxEntry) -> None:
         """Remove a sandbox whose lease no one took, once its agent has answered the

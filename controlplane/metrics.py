@@ -186,6 +186,13 @@ class ControlPlaneMetrics:
             ["pool"],
             registry=r,
         )
+        self.forks = Counter(
+            "dsec_forks_total",
+            "Fork calls by outcome (forked, refused: past what fits, failed: a copy failed "
+            "and none was kept)",
+            ["pool", "outcome"],
+            registry=r,
+        )
         self.lease_outcomes = Counter(
             "dsec_lease_outcomes_total",
             "Leases ended, by how (released, expired, idle_timeout, node_lost, engine_lost, "

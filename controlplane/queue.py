@@ -28,6 +28,7 @@ class PendingRequest:
     labels: dict[str, str]
     personal: Personal | None = None  # the claim's own env, files and setup
     setup_ms: float | None = None  # the time its node took to apply `personal`
+    spread: str | None = None  # a fork's: its copies go to different nodes where they can
     done: asyncio.Future[Lease] = field(default_factory=asyncio.Future)
     refused_by: set[str] = field(default_factory=set)
     template_refusal: str | None = None  # the last refusal about its template, as said
@@ -57,6 +58,7 @@ class PendingRequest:
                 self.arrived_at,
                 frozenset(self.refused_by),
                 self.template_refusal,
+                self.spread,
             )
             made = self._snap = (len(self.refused_by), self.template_refusal, request)
         return made[2]

@@ -24,6 +24,7 @@ from controlplane.actuator import Actuator
 from controlplane.agents import AgentClient
 from controlplane.cloud import CloudProvider
 from controlplane.config import ClientQuota, ControlPlaneConfig, not_recyclable
+from controlplane.forks import Forks
 from controlplane.identities import Identities
 from controlplane.leases import Leases
 from controlplane.metrics import ControlPlaneMetrics, SandboxSeconds, ViewCollector
@@ -98,6 +99,7 @@ class Scheduler:
             ids,
         )  # fmt: skip
         self.leases = Leases(config, view, queues, self.actuator, clock, metrics, self.wake, ids)
+        self.forks = Forks(config, view, queues, self.leases, agents, clock, metrics)
         self.ticks = 0
         self.leases_looked_at = -math.inf
         # sends templates' images to the nodes that lack them (the app sets it; None:

@@ -48,6 +48,8 @@ from dsec.models import (
     FileInfo,
     FileList,
     FileRemoved,
+    Forked,
+    ForkRequest,
     Lease,
     LeaseRenewed,
     LeaseStatus,
@@ -636,6 +638,22 @@ class Sandbox:
     async def release(self) -> Released:
         return await self.client.release(self.id, self.lease.lease_token)
 
+    async def fork(
+        self,
+        n: int,
+        pool: str | None = None,
+        timeout: float = 60.0,
+        labels: dict[str, str] | None = None,
+    ) -> list[Sandbox]:
+        """`n` new sandboxes, each on a lease of its own, whose work dir and /tmp are
+        copies of this one's as they are now (its processes and memory are not copied;
+        commands running now may or may not have written what is copied). All or none:
+        a fork that fails leaves no lease. Release each one, as any acquired sandbox."""
+        forked = await self.client.fork(
+            self.id, self.lease.lease_token, n, pool=pool, timeout=timeout, labels=labels
+        )
+        return [Sandbox(self.client, lease) for lease in forked.leases]
+
 
 class Client:
     def __init__(
@@ -796,6 +814,28 @@ class Client:
         headers = {LEASE_TOKEN_HEADER: lease_token} if lease_token else None
         return await self._call(
             "DELETE", f"{self.url}/v1/sandboxes/{sandbox_id}", Released, headers=headers
+        )
+
+    async def fork(
+        self,
+        sandbox_id: str,
+        lease_token: str | None,
+        count: int,
+        pool: str | None = None,
+        timeout: float = 60.0,
+        labels: dict[str, str] | None = None,
+    ) -> Forked:
+        """`POST /v1/sandboxes/{id}/fork` (Sandbox.fork is the usual way); `lease_token`
+        None for an operator's token, which may fork any leased sandbox."""
+        headers = {LEASE_TOKEN_HEADER: lease_token} if lease_token else None
+        body = ForkRequest(count=count, pool=pool, timeout_s=timeout, labels=labels or {})
+        return await self._call(
+            "POST",
+            f"{self.url}/v1/sandboxes/{sandbox_id}/fork",
+            Forked,
+            body,
+            timeout=timeout + 30,
+            headers=headers,
         )
 
     @asynccontextmanager

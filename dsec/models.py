@@ -193,6 +193,52 @@ class Lease(SandboxInfo):
     )
 
 
+# the most forks one call makes: a GRPO group is 4-64 rollouts
+MAX_FORK = 64
+
+
+class ForkRequest(Wire):
+    """`POST /v1/sandboxes/{id}/fork`: `count` new leases on copies of the sandbox's work
+    dir and /tmp as they are at the call (docs/contracts.md, "Fork")."""
+
+    count: int = Field(ge=1, le=MAX_FORK, description="how many copies")
+    pool: Name | None = Field(None, description="the copies' pool (None: the source's)")
+    timeout_s: float = Field(
+        60.0, gt=0, le=MAX_TIMEOUT_S, description="how long to wait for all the copies"
+    )
+    labels: dict[LabelKey, LabelValue] = Field(default_factory=dict, max_length=32)
+
+
+class Forked(Wire):
+    """A fork's answer: every copy's lease, or none (a fork that fails leaves nothing)."""
+
+    source: SandboxId
+    leases: list[Lease]
+    bytes: int = Field(description="the copy's size: the tars of the work dir and /tmp")
+    snapshot_ms: float = Field(description="taking the copy on the source's node")
+    fork_ms: float = Field(description="from the call to the last copy usable")
+
+
+class SnapshotMade(Wire):
+    """What a node answers the control plane for a fork's copy of one of its sandboxes:
+    the copy's id, the token that reads it (given only to the nodes the forks go to)."""
+
+    snapshot: str = Field(pattern=r"^[0-9a-f]{32}$")
+    token: str = Field(pattern=r"^[0-9a-f]{64}$")
+    roots: list[str] = Field(description="the directories copied, one tar each, in order")
+    bytes: int
+
+
+class ForkSource(Wire):
+    """In a fork's grant: where its node reads the copy from (agent to agent)."""
+
+    node: Name
+    agent_url: str = Field(max_length=2048)
+    snapshot: str = Field(pattern=r"^[0-9a-f]{32}$")
+    token: str = Field(pattern=r"^[0-9a-f]{64}$")
+    roots: list[str] = Field(min_length=1, max_length=8)
+
+
 class LeaseRenewed(Wire):
     id: SandboxId
     idle_timeout_s: float | None = Field(
@@ -810,10 +856,13 @@ class LeaseGrant(Wire):
     files_tar: Base64Bytes | None = Field(None, description="a tar unpacked into the work dir")
     setup: list[CmdArg] | None = Field(None, min_length=1, max_length=4096)
     setup_timeout_s: float = Field(60.0, gt=0, le=MAX_TIMEOUT_S)
+    fork_from: ForkSource | None = Field(
+        None, description="a fork's: the copy unpacked into the work dir and /tmp"
+    )
 
     @property
     def personalised(self) -> bool:
-        return bool(self.env or self.files_tar or self.setup)
+        return bool(self.env or self.files_tar or self.setup or self.fork_from)
 
 
 class ResetSandbox(Wire):

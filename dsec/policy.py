@@ -164,6 +164,10 @@ class RequestSnap:
     # the last refusal that was about its template (an image a node lacks, a setting
     # Docker rejects), as the agent said it; None while no node refused the template
     template_refusal: str | None = None
+    # requests that should land on different nodes where they can (a fork's copies,
+    # docs/contracts.md "Fork"): each is claimed a free sandbox on the node holding the
+    # fewest of its group in this decision
+    spread: str | None = None
 
 
 @dataclass(frozen=True)
@@ -482,6 +486,8 @@ class _Decision:
         self.actions: list[Action] = []
         self._placement: Placement | None = None
         self._lenders: dict[str, list[str]] = {}
+        # spread group -> node -> claims made for it in this decision
+        self.spread_nodes: dict[str, dict[str, int]] = {}
         # unassigned sandboxes by (pool, template) and state, oldest first
         self.free: dict[tuple[str, str, SandboxState], list[SandboxSnap]] = {}
         # creates under way per (pool, template); each waiting request served in this
@@ -576,9 +582,21 @@ class _Decision:
             )
         return self._lenders[pool]
 
-    def take(self, pool: str, template: str, state: SandboxState) -> SandboxSnap | None:
+    def take(
+        self, pool: str, template: str, state: SandboxState, spread: str | None = None
+    ) -> SandboxSnap | None:
+        """The oldest free sandbox; for a request of a `spread` group, the oldest on the
+        node that holds the fewest of that group's claims so far."""
         free = self.free.get((pool, template, state))
-        return free.pop(0) if free else None
+        if not free:
+            return None
+        if spread is None:
+            return free.pop(0)
+        held = self.spread_nodes.setdefault(spread, {})
+        at = min(range(len(free)), key=lambda i: (held.get(free[i].node, 0), i))
+        sb = free.pop(at)
+        held[sb.node] = held.get(sb.node, 0) + 1
+        return sb
 
     # 1 ---------------------------------------------------------------------------
     def serve_queue(self) -> None:
@@ -604,7 +622,7 @@ class _Decision:
         """Hand `req` a free sandbox, or one of the creates under way; False if neither."""
         key = (req.pool, req.template)
         for state, path in CLAIM_TIERS:
-            sb = self.take(req.pool, req.template, state)
+            sb = self.take(req.pool, req.template, state, req.spread)
             if sb is not None:
                 if sb.since > req.arrived_at or sb.reserved_for == req.id:  # made for it
                     path = "overflow" if self._on_cloud(sb) else "cold"

@@ -153,6 +153,29 @@ def test_claims_prefer_warm_then_paused_then_hibernated_then_cold():
     assert [a.for_request for a in cold(actions)] == ["q3"]
 
 
+def test_a_fork_s_requests_are_spread_over_the_nodes_holding_warm_sandboxes():
+    nodes = [node("n1"), node("n2"), node("n3")]
+    # the oldest warm sandboxes are all on n1: plain requests take those
+    warm = [sandbox(f"a{i}", S.WARM, node="n1", since=NOW - 90 + i) for i in range(4)]
+    warm += [sandbox(f"b{i}", S.WARM, node="n2", since=NOW - 50 + i) for i in range(2)]
+    warm += [sandbox("c0", S.WARM, node="n3", since=NOW - 40)]
+    by_id = {sb.id: sb.node for sb in warm}
+
+    def nodes_of(reqs) -> list[str]:
+        actions = decide(snap(nodes, warm, reqs), {"p": params()}, NOW)
+        claimed = {c.request_id: by_id[c.sandbox_id] for c in of(actions, Claim)}
+        return [claimed[r.id] for r in reqs]
+
+    plain = [request(f"q{i}", arrived_at=NOW - 1 + i / 10) for i in range(3)]
+    assert nodes_of(plain) == ["n1", "n1", "n1"]
+    fork = [request(f"f{i}", arrived_at=NOW - 1, spread="g") for i in range(5)]
+    assert sorted(nodes_of(fork)) == ["n1", "n1", "n2", "n2", "n3"]
+    # two groups are spread each on its own
+    two = fork[:3] + [request(f"h{i}", arrived_at=NOW - 1, spread="h") for i in range(3)]
+    got = nodes_of(two)
+    assert sorted(got[:3]) == ["n1", "n2", "n3"] and len(set(got[3:])) >= 2
+
+
 def test_a_sandbox_made_after_the_request_arrived_counts_as_cold():
     fresh = sandbox("w", S.WARM, since=NOW - 0.05)  # a scale-up create, ready just now
     actions = decide(snap(sandboxes=[fresh], requests=[request("a", arrived_at=NOW - 1)]),

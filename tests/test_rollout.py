@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import io
 import asyncio
+import io
 import json
 import tarfile
 
 from conftest import pool_containers
-
-from dsec.client import DsecError, SandboxLost
 
 from bench.rollout import SIDES, Step, main, render, rollout, step_figures, targets
 from bench.rollout_repo import (
@@ -20,6 +18,7 @@ from bench.rollout_repo import (
     make_repo,
     tool_calls,
 )
+from dsec.client import DsecError, SandboxLost
 
 
 def side(episodes_per_hour: float, call_p50: float, open_p99: float, failures: int = 0) -> dict:

@@ -254,3 +254,21 @@ async def test_live_lease_from_another_process_and_release(pool):
             assert released.value.status in (404, 410), released.value
 
     await asyncio.to_thread(scenario)
+
+
+@live
+async def test_live_fork_gives_sync_sandboxes_with_the_source_s_files(pool):
+    def scenario() -> None:
+        with SyncClient(pool.url, pool.tokens.client) as c, c.sandbox() as sb:
+            sb.files.write("/work/state.bin", BINARY)
+            forks = sb.fork(2)
+            try:
+                assert all(isinstance(f, SyncSandbox) for f in forks)
+                assert len({f.id for f in forks} | {sb.id}) == 3
+                for f in forks:
+                    assert f.files.read("/work/state.bin") == BINARY
+            finally:
+                for f in forks:
+                    f.release()
+
+    await asyncio.to_thread(scenario)

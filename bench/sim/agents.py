@@ -20,6 +20,7 @@ one engine, as the local multi-node pool is.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import heapq
 import logging
 import math
@@ -42,6 +43,7 @@ from dsec.models import (
     ReportAck,
     ResetSandbox,
     SandboxRow,
+    SnapshotMade,
     Usage,
 )
 from dsec.policy import Resources
@@ -478,6 +480,24 @@ class SimAgents:
 
     async def reset(self, address: AgentAddress, sandbox_id: str, req: ResetSandbox) -> CallResult:
         return await self._on_sandbox(address, "reset", sandbox_id, req)
+
+    async def snapshot(self, address: AgentAddress, sandbox_id: str) -> CallResult:
+        return await self._on_sandbox(address, "snapshot", sandbox_id)
+
+    async def drop_snapshot(self, address: AgentAddress, snapshot_id: str) -> CallResult:
+        return OK
+
+    async def _snapshot(self, node: SimNode, sandbox_id: str, sb: SimSandbox) -> CallResult:
+        """A fork's copy: the simulator holds no files, so an empty one, at the cost of
+        the agent's own work on a call (as a lease's)."""
+        await self._take("lease", node, counts=False)
+        made = SnapshotMade(
+            snapshot=hashlib.md5(sandbox_id.encode()).hexdigest(),
+            token="0" * 64,
+            roots=[sb.spec.template.workdir, "/tmp"],
+            bytes=0,
+        )
+        return CallResult(True, 201, "ok", "", answer=made.model_dump())
 
     async def create(self, address: AgentAddress, spec: CreateSandbox) -> CallResult:
         node = self._node(address, "create")
