@@ -30,7 +30,7 @@ import aiohttp
 from agent.files import Files
 from agent.sandboxes import Sandbox
 from dsec.clock import Clock
-from dsec.httpkit import ApiError
+from dsec.httpkit import ApiError, CredentialRefused
 from dsec.models import ForkSource, SnapshotMade
 
 log = logging.getLogger(__name__)
@@ -92,13 +92,18 @@ class Snapshots:
         return SnapshotMade(snapshot=snapshot.id, token=snapshot.token, roots=roots, bytes=size)
 
     def path_of(self, snapshot_id: str, token: str | None, index: int) -> Path:
-        """The file of root `index` of a copy, for the holder of its token: 404 for a copy
-        this node does not have (or has dropped), 403 for a wrong token."""
+        """The file of root `index` of a copy, for the holder of its token: 401 without
+        one, 403 for a token that reads no copy here by that id (kept or not: a stranger
+        learns nothing of which copies there are), 404 for a part it does not have."""
+        if not token:
+            raise CredentialRefused(401, "unauthorized", "a snapshot's token is required")
         snapshot = self.made.get(snapshot_id)
-        if snapshot is None or self.clock.now() - snapshot.made_at > SNAPSHOT_TTL_S:
-            raise ApiError(404, "unknown_snapshot", f"no snapshot {snapshot_id[:40]!r} here")
-        if token is None or not hmac.compare_digest(token, snapshot.token):
-            raise ApiError(403, "forbidden", "this token does not read that snapshot")
+        if (
+            snapshot is None
+            or not hmac.compare_digest(token.encode(), snapshot.token.encode())
+            or self.clock.now() - snapshot.made_at > SNAPSHOT_TTL_S
+        ):
+            raise CredentialRefused(403, "forbidden", "this token reads no such snapshot here")
         if not 0 <= index < len(snapshot.files):
             raise ApiError(404, "unknown_snapshot", f"snapshot {snapshot_id} has no part {index}")
         return snapshot.files[index]

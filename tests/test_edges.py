@@ -62,7 +62,14 @@ SID = "n1.0123456789abcdef"
 LEASE = "a" * 32
 # nested past Python's recursion limit, and far under the 1 MiB body limit
 DEEP_BODY = b"[" * 100_000 + b"]" * 100_000
-PATH_PARAMS = {"sandbox_id": SID, "name": "default", "node_id": "n1", "lease_id": "0" * 32}
+PATH_PARAMS = {
+    "sandbox_id": SID,
+    "name": "default",
+    "node_id": "n1",
+    "lease_id": "0" * 32,
+    "snapshot": "0" * 32,
+    "index": "0",
+}
 JSON = {"Content-Type": "application/json"}
 
 

@@ -44,8 +44,9 @@ def test_only_the_token_reads_a_copy_and_only_its_parts(tmp_path):
     snapshots, snapshot, _ = kept(tmp_path)
     assert snapshots.path_of(snapshot.id, snapshot.token, 1).read_bytes() == b"tar 1"
     assert refusal(lambda: snapshots.path_of(snapshot.id, "c" * 64, 0)) == (403, "forbidden")
-    assert refusal(lambda: snapshots.path_of(snapshot.id, None, 0)) == (403, "forbidden")
-    assert refusal(lambda: snapshots.path_of("d" * 32, snapshot.token, 0))[0] == 404
+    assert refusal(lambda: snapshots.path_of(snapshot.id, None, 0)) == (401, "unauthorized")
+    # another copy's id with this token: as any wrong token, nothing said of what is kept
+    assert refusal(lambda: snapshots.path_of("d" * 32, snapshot.token, 0)) == (403, "forbidden")
     assert refusal(lambda: snapshots.path_of(snapshot.id, snapshot.token, 2))[0] == 404
 
 
@@ -53,11 +54,11 @@ def test_a_copy_dropped_or_past_its_time_is_gone_from_disk(tmp_path):
     snapshots, snapshot, clock = kept(tmp_path)
     assert asyncio.run(snapshots.drop(snapshot.id)) is True
     assert not any(snapshots.directory.iterdir())
-    assert refusal(lambda: snapshots.path_of(snapshot.id, snapshot.token, 0))[0] == 404
+    assert refusal(lambda: snapshots.path_of(snapshot.id, snapshot.token, 0))[0] == 403
     assert asyncio.run(snapshots.drop(snapshot.id)) is False
 
     snapshots, snapshot, clock = kept(tmp_path)
     clock.t += SNAPSHOT_TTL_S + 1
-    assert refusal(lambda: snapshots.path_of(snapshot.id, snapshot.token, 0))[0] == 404
+    assert refusal(lambda: snapshots.path_of(snapshot.id, snapshot.token, 0))[0] == 403
     asyncio.run(snapshots._expire())  # what the next copy's making does first
     assert snapshot.id not in snapshots.made and not any(snapshots.directory.iterdir())
