@@ -2,7 +2,7 @@
 same claim, in the same run, rounds alternating.
 
     python -m bench.claims [--claims 200] [--cold 20] [--concurrency 4] [--rounds 2]
-                           [--json]
+                           [--template base|python] [--json]
 
 A local 3-node pool (`bench.burst`'s) with two pools: `default` (recycled, 8 warm per
 acquire at once) and `cold` (nothing kept warm: every acquire creates its sandbox).
@@ -124,27 +124,34 @@ async def phase(
 
 async def run(args: argparse.Namespace) -> dict:
     spec = issue_spec("claims")
+    # the python template (dsec up --with-python's, built once then a cache hit): a real
+    # image, whose cold create costs what an RL team's does
+    spec.python_template = args.template == "python"
     # past what recycling gives back meanwhile: a plain claim's acquire and release take a
     # few ms, a reset ~100 ms, and a drained pool would measure the refill, not the claim
     warm = 8 * args.concurrency
-    spec.pool = PoolParams(recycle=True, min_warm=warm, max_warm=2 * warm)
+    spec.pool = PoolParams(
+        recycle=True, min_warm=warm, max_warm=2 * warm, templates=[args.template]
+    )
     spec.more_pools = {"cold": PoolParams(min_warm=0, max_warm=0, warm_fraction=0)}
     teardown = Teardown()
     kinds = {kind: Kind() for kind in KINDS}
     async with local_pool(spec, teardown) as pool:
         async with Client(pool.url, token=pool.tokens.client) as client:
             await wait_warm(client, "default", warm)
+            template, timeout = args.template, ACQUIRE_TIMEOUT_S
             how: dict[str, tuple[Callable[[int], Awaitable], int]] = {
-                "plain": (lambda i: client.acquire(timeout=ACQUIRE_TIMEOUT_S), args.claims),
+                "plain": (lambda i: client.acquire("default", template, timeout=timeout),
+                          args.claims),
                 "personal": (
-                    lambda i: client.acquire(timeout=ACQUIRE_TIMEOUT_S, **claim(i)),
+                    lambda i: client.acquire("default", template, timeout=timeout, **claim(i)),
                     args.claims,
                 ),
                 "cold personal": (
-                    lambda i: client.acquire("cold", timeout=ACQUIRE_TIMEOUT_S, **claim(i)),
+                    lambda i: client.acquire("cold", template, timeout=timeout, **claim(i)),
                     args.cold,
                 ),
-            }
+            }  # fmt: skip
             for r in range(args.rounds):
                 order = KINDS[r % 3 :] + KINDS[: r % 3]
                 for kind in order:
@@ -153,6 +160,7 @@ async def run(args: argparse.Namespace) -> dict:
                     await wait_warm(client, "default", warm)  # each kind starts on a full pool
                     await phase(kinds[kind], r * total, share, args.concurrency, acquire)
     report: dict = {
+        "template": args.template,
         "concurrency": args.concurrency, "rounds": args.rounds, "nodes": NODES,
         "node_capacity": NODE_CAPACITY.model_dump(),
         "claim": {"env_vars": ENV_VARS, "files": FILES, "file_bytes": FILE_BYTES},
@@ -190,7 +198,8 @@ def render(r: dict) -> str:
                      setup["p50"], setup["p99"]])  # fmt: skip
     c = r["claim"]
     lines = [
-        f"acquires, {r['concurrency']} at a time, {r['rounds']} rounds rotating; a personal "
+        f"template {r['template']}: acquires, {r['concurrency']} at a time, {r['rounds']} "
+        "rounds rotating; a personal "
         f"claim: {c['env_vars']} env vars, {c['files']} files of {c['file_bytes']} bytes, "
         "a setup command",
         format_table(
@@ -219,6 +228,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cold", type=int, default=20, help="cold personal claims")
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument(
+        "--template",
+        choices=("base", "python"),
+        default="base",
+        help="base (busybox, created in ~0.25 s here) or python (dsec up --with-python's)",
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     room = NODES * NODE_CAPACITY.slots // 16  # the warm pool is at most 16x the concurrency
