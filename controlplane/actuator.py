@@ -23,6 +23,7 @@ from controlplane.view import ClusterView, SandboxEntry
 from dsec.clock import Clock
 from dsec.models import CreateSandbox, ResetSandbox
 from dsec.policy import Create, Destroy, Hibernate, Pause, ProvisionCloud, ReleaseCloud, Thaw
+from dsec.rates import Durations
 from dsec.states import HIBERNATED_FROM, PAUSED_FROM, THAWED_FROM, SandboxState
 
 log = logging.getLogger(__name__)
@@ -65,6 +66,9 @@ class Actuator:
         self.cloud = cloud
         self.tasks: set[asyncio.Task] = set()
         self.ops: dict[str, asyncio.Task] = {}  # the side effect in flight, per sandbox
+        # how long a create takes, per template, from the policy's decision to warm: the
+        # time a taken warm sandbox takes to replace (the policy's flow target)
+        self.create_times = Durations()
 
     def carry_out(self, action: Create | Destroy | Pause | Thaw | Hibernate, now: float) -> None:
         log.debug("carrying out %s", action)  # its reason included
@@ -195,6 +199,7 @@ class Actuator:
         self.sandbox_seconds.account(now)
         if result.ok:
             entry.call_confirmed(now)
+            self.create_times.observe(entry.template, now - entry.since)
             self.view.move(entry, SandboxState.WARM, now)
             self.wake()
             return

@@ -56,6 +56,7 @@ from dsec.policy import (
     TemplateSnap,
     Unplaceable,
 )
+from dsec.rates import RateTracker
 from dsec.states import SandboxState
 
 log = logging.getLogger(__name__)
@@ -89,6 +90,9 @@ class Scheduler:
         self.policy = policy or make_policy(config.policy)
         self.cloud = cloud
         self.peaks = PeakTracker(config.peak_window_s)
+        # acquires served a second per (pool, template): with the time a create takes
+        # (the actuator's create_times), what a steady stream needs warm
+        self.acquire_rates = RateTracker()
         self.prewarms = Prewarms()
         self.wakeup = asyncio.Event()
         self.sandbox_seconds = SandboxSeconds(view, metrics, clock.now())
@@ -194,6 +198,8 @@ class Scheduler:
             leased={key: n for key, n in self.view.assigned.items() if n},
             cloud=cloud,
             prewarms=self.prewarms.snaps(now),
+            acquire_rates=self.acquire_rates.rates(now),
+            replace_s=self.actuator.create_times.means,
             seed=self.ticks,
         )
 
@@ -234,6 +240,7 @@ class Scheduler:
                 case Claim():
                     if req := self.queues.get(action.request_id):
                         self.prewarms.served(req.pool, req.template, req.owner, now)
+                        self.acquire_rates.observe((req.pool, req.template), now)
                     self.leases.claim(action, now)
                 case Unplaceable():
                     self.leases.unplaceable(action)

@@ -202,6 +202,10 @@ class Snapshot:
     cloud: CloudSnap | None = None
     # by pool and template
     prewarms: Mapping[tuple[str, str], PrewarmSnap] = field(default_factory=dict)
+    # acquires served a second, recently, per (pool, template), and the time a new
+    # sandbox of a template takes to be made: a steady stream needs their product warm
+    acquire_rates: Mapping[tuple[str, str], float] = field(default_factory=dict)
+    replace_s: Mapping[str, float] = field(default_factory=dict)
     seed: int = 0  # varies sampling between ticks while keeping decide() deterministic
 
 
@@ -297,6 +301,16 @@ PREWARM_REASON = "prewarm: warm pool below an announced burst"
 def warm_target(params: PoolParams, peak: int) -> int:
     """warm_fraction of the recent peak, within [min_warm, max_warm]."""
     return max(params.min_warm, min(params.max_warm, math.ceil(params.warm_fraction * peak)))
+
+
+def flow_target(in_flight: float) -> int:
+    """The warm sandboxes a steady stream takes while one is replaced: on average
+    `in_flight`, its acquires a second times the time a replacement takes (Little's law),
+    plus two standard deviations of a random (Poisson) stream's count over that time, so
+    that the pool runs dry in about one replacement time in forty rather than one in two."""
+    if in_flight <= 0:
+        return 0
+    return math.ceil(in_flight + 2 * math.sqrt(in_flight))
 
 
 def scale_up_step(params: PoolParams, pending: int, idle: int) -> int:
@@ -551,10 +565,20 @@ class _Decision:
         return len(self.free.get((*key, state), []))
 
     def normal_target(self, key: tuple[str, str], params: PoolParams) -> int:
-        """Rule 3's target without a prewarm: 0 for a template the pool does not keep warm."""
+        """Rule 3's target without a prewarm: 0 for a template the pool does not keep warm;
+        the recent peak's share, or what the recent acquire rate takes while a sandbox is
+        replaced (within max_warm), whichever is more."""
         if key[1] not in params.templates:
             return 0
-        return warm_target(params, self.snap.peaks.get(key, 0))
+        return max(warm_target(params, self.snap.peaks.get(key, 0)), self.flow(key, params))
+
+    def flow(self, key: tuple[str, str], params: PoolParams) -> int:
+        """flow_target for `key` from the snapshot, within max_warm."""
+        return min(params.max_warm, flow_target(self._in_flight(key)))
+
+    def _in_flight(self, key: tuple[str, str]) -> float:
+        """Acquires a second times the time to replace one: creates a stream keeps busy."""
+        return self.snap.acquire_rates.get(key, 0.0) * self.snap.replace_s.get(key[1], 0.0)
 
     def prewarm_target(self, key: tuple[str, str], params: PoolParams) -> int:
         """What an active prewarm holds warm for (pool, template): its count less the
@@ -703,8 +727,11 @@ class _Decision:
                     self._create_warm(key, template, params, missing, PREWARM_REASON)
                     continue
                 # paced: the engine serialises creates, so more in flight only steals CPU
-                # from the acquires the warm pool is there to serve
-                paced = params.refill_concurrency - self.creating.get(key, 0) - extra
+                # from the acquires the warm pool is there to serve; but a steady stream
+                # needs as many in flight as it takes while one is made (Little's law),
+                # or the refill falls behind it whatever the target
+                pace = max(params.refill_concurrency, math.ceil(self._in_flight(key)))
+                paced = pace - self.creating.get(key, 0) - extra
                 self._create_warm(
                     key,
                     template,

@@ -26,6 +26,7 @@ from dsec.policy import (
     TemplateSnap,
     Thaw,
     decide,
+    flow_target,
     scale_up_step,
     warm_target,
 )
@@ -107,6 +108,36 @@ def test_scale_up_step(pending, idle, k, step, expected):
 def test_warm_target(min_warm, max_warm, fraction, peak, expected):
     p = params(min_warm=min_warm, max_warm=max_warm, warm_fraction=fraction)
     assert warm_target(p, peak) == expected
+
+
+@pytest.mark.parametrize(
+    ("in_flight", "expected"),
+    [(0.0, 0), (1.0, 3), (4.0, 8), (100.0, 120)],  # mean + 2 sqrt(mean), rounded up
+)
+def test_flow_target(in_flight, expected):
+    assert flow_target(in_flight) == expected
+
+
+def test_the_warm_target_follows_the_acquire_rate_times_the_create_time():
+    pool = {"p": params(min_warm=2, max_warm=20)}
+    key = ("p", "t")
+
+    def creates(**kw) -> int:
+        actions = decide(snap(nodes=[node(slots=100)], **kw), pool, NOW)
+        return len(of(actions, Create, "warm pool below target"))
+
+    assert creates() == 2  # min_warm alone
+    # 10 a second, 0.4 s a create: 4 taken while one is made, a target of 8 to be safe,
+    # made 4 at a time: as many in flight as the stream needs, past refill_concurrency (2)
+    flow = {"acquire_rates": {key: 10.0}, "replace_s": {"t": 0.4}}
+    assert creates(**flow) == 4
+    making = [sandbox(f"c{i}", S.CREATING) for i in range(4)]
+    assert creates(sandboxes=making, **flow) == 0
+    ready = [sandbox(f"w{i}", S.WARM, since=NOW - 0.5) for i in range(4)]
+    assert creates(sandboxes=ready, **flow) == 4  # the rest of the 8
+    assert creates(sandboxes=ready + making, **flow) == 0
+    assert creates(acquire_rates={key: 100.0}, replace_s={"t": 1.0}) == 20  # max_warm
+    assert creates(acquire_rates={("q", "t"): 10.0}, replace_s={"t": 0.4}) == 2  # not its pool
 
 
 def test_the_seeds_worked_example():

@@ -619,6 +619,37 @@ def test_the_warm_pool_is_kept_at_min_warm():
     Harness(nodes=2, pools=pools).run(scenario)
 
 
+def test_a_steady_stream_of_short_leases_never_drains_the_warm_pool_on_defaults():
+    """Code-reward calls: acquire, run ~0.1 s, release, ten times a second. The recent
+    peak of concurrency is ~2, which on its own keeps min_warm (2) warm: each acquire
+    then waits for a create. The rate times a create's time keeps enough warm."""
+    cycles_per_s, lease_s, seconds = 10, 0.1, 40
+
+    async def scenario(h: Harness) -> None:
+        await h.settle(3)
+        paths: list[tuple[float, str]] = []
+
+        async def cycle() -> None:
+            lease = await h.acquire()
+            paths.append((h.now(), lease.path))
+            await h.settle(lease_s)
+            await h.release(lease)
+
+        running = []
+        for _ in range(cycles_per_s * seconds):
+            running.append(asyncio.ensure_future(cycle()))
+            await h.settle(1 / cycles_per_s)
+        await asyncio.gather(*running)
+        started = paths[0][0]
+        late_cold = [t - started for t, path in paths if path != "warm" and t - started > 10]
+        assert not late_cold, f"{len(late_cold)} acquires past 10 s not warm: {late_cold[:5]}"
+        rate = h.scheduler.acquire_rates.rates(h.now())[("default", "base")]
+        assert cycles_per_s * 0.8 <= rate <= cycles_per_s * 1.2
+        assert h.scheduler.actuator.create_times.means["base"] > 0
+
+    Harness(nodes=3, slots=100, pools={"default": PoolParams()}).run(scenario)
+
+
 @pytest.mark.parametrize(
     ("min_warm", "burst", "scale_up"),
     [
