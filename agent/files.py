@@ -42,7 +42,7 @@ import zlib
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from functools import partial
-from typing import TypeVar
+from typing import BinaryIO, TypeVar
 
 from agent.docker_driver import AsyncDocker, DockerOpError
 from agent.host import in_own_thread, open_in_container
@@ -759,6 +759,14 @@ class Files:
         finally:
             for waiting in pending:  # a thread still waiting on the body gives up
                 waiting.cancel()
+
+    async def unpack_file(self, sandbox: Sandbox, path: str, archive: BinaryIO) -> FileInfo:
+        """Unpack the tar `archive`, a file the agent opened, into directory `path`: read
+        in the operation's own thread, so no chunk goes through the event loop (the
+        thread runs as the sandbox's user, who could not open the agent's file)."""
+        tree = await self._tree(sandbox)
+        step = partial(write_tar, tree, path, lambda: archive.read(CHUNK) or None)
+        return await self._run(sandbox, tree, step)
 
     async def listing(self, sandbox: Sandbox, path: str) -> FileList:
         tree = await self._tree(sandbox)

@@ -5,16 +5,19 @@ state dir, and read from there by the nodes the forks go to, agent to agent.
 The control plane asks for the copy (`make`, node-authenticated) and gets its id and a
 token that reads it; it hands both only to the nodes its forks are granted on, in their
 grants (LeaseGrant.fork_from). A node the copy is for reads its files directly when they
-are on this node and over HTTP from the source's agent (`GET /v1/snapshots/{id}/{i}`,
-that token) when not, and unpacks them with the file API's own confined unpack. A copy
-is removed when the control plane says the fork is done, and in any case SNAPSHOT_TTL_S
-after it was made, so that a control plane that went away leaves nothing behind for
-long. Processes and memory are not copied: a container's live state has no copy here.
+are on this node; when not, it fetches them once from the source's agent
+(`GET /v1/snapshots/{id}/{i}`, that token) into its own state dir for every fork granted
+on it. Each fork's copy is unpacked from those files with the file API's own confined
+unpack, in the unpack's own thread. The control plane drops the copy on the source's
+node and on its forks' nodes when the fork is done; in any case each goes SNAPSHOT_TTL_S
+after it was made or fetched, so that a control plane that went away leaves nothing
+behind for long. Processes and memory are not copied: a container's live state has no copy here.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import logging
 import secrets
@@ -65,6 +68,10 @@ class Snapshots:
         self.clock = clock
         self.verify = verify
         self.made: dict[str, Snapshot] = {}
+        # copies of other nodes' snapshots, fetched for the forks granted here: by
+        # (snapshot, token), the fetch (its tars once done) and when it began
+        self.fetched: dict[tuple[str, str], asyncio.Future[list[Path]]] = {}
+        self.fetched_at: dict[tuple[str, str], float] = {}
         self._http: aiohttp.ClientSession | None = None
 
     def clear(self) -> None:
@@ -109,16 +116,31 @@ class Snapshots:
         return snapshot.files[index]
 
     async def drop(self, snapshot_id: str) -> bool:
+        """Drop a copy made here, and what was fetched of it here; whether there was any."""
+        files: list[Path] = []
         snapshot = self.made.pop(snapshot_id, None)
-        if snapshot is None:
-            return False
-        await asyncio.to_thread(_unlink_all, snapshot.files)
-        return True
+        if snapshot is not None:
+            files += snapshot.files
+        for key in [k for k in self.fetched if k[0] == snapshot_id]:
+            files += await self._forget_fetched(key)
+        await asyncio.to_thread(_unlink_all, files)
+        return snapshot is not None or bool(files)
+
+    async def _forget_fetched(self, key: tuple[str, str]) -> list[Path]:
+        fetching = self.fetched.pop(key)
+        del self.fetched_at[key]
+        if not fetching.done():
+            fetching.cancel()
+        with contextlib.suppress(BaseException):
+            return await fetching
+        return []
 
     async def _expire(self) -> None:
         now = self.clock.now()
         for old in [s.id for s in self.made.values() if now - s.made_at > SNAPSHOT_TTL_S]:
             await self.drop(old)
+        for key in [k for k, at in self.fetched_at.items() if now - at > SNAPSHOT_TTL_S]:
+            await asyncio.to_thread(_unlink_all, await self._forget_fetched(key))
 
     async def copy_into(self, sandbox: Sandbox, source: ForkSource) -> None:
         """Unpack the copy `source` names into `sandbox`'s roots, which are the same
@@ -126,26 +148,64 @@ class Snapshots:
         mine = self.files.roots(sandbox)
         if any(root not in mine for root in source.roots):
             raise ApiError(422, "fork_roots", f"the copy's {source.roots} are not {list(mine)}")
-        for index, root in enumerate(source.roots):
-            if source.node == self.node_id:
-                chunks = read_file(self.path_of(source.snapshot, source.token, index))
-                await self.files.write(sandbox, "tar-put", root, chunks)
-                continue
-            url = f"{source.agent_url}/v1/snapshots/{source.snapshot}/{index}"
-            headers = {"Authorization": f"Bearer {source.token}"}
+        for root, path in zip(source.roots, await self._parts_here(source), strict=True):
             try:
+                archive = await asyncio.to_thread(open, path, "rb")
+            except FileNotFoundError:
+                raise ApiError(404, "unknown_snapshot", "the snapshot was dropped") from None
+            try:
+                await self.files.unpack_file(sandbox, root, archive)
+            finally:
+                archive.close()
+
+    async def _parts_here(self, source: ForkSource) -> list[Path]:
+        """The copy's tars on this node: its own, or fetched from the source's node once
+        for all the forks granted here (a failed fetch is not kept: the next tries)."""
+        if source.node == self.node_id:
+            return [
+                self.path_of(source.snapshot, source.token, i) for i in range(len(source.roots))
+            ]
+        key = (source.snapshot, source.token)
+        fetching = self.fetched.get(key)
+        if fetching is None:
+            fetching = asyncio.ensure_future(self._fetch(source))
+            self.fetched[key] = fetching
+            self.fetched_at[key] = self.clock.now()
+
+            def forget_failed(done: asyncio.Future) -> None:
+                if (done.cancelled() or done.exception() is not None) and self.fetched.get(
+                    key
+                ) is done:
+                    del self.fetched[key], self.fetched_at[key]
+
+            fetching.add_done_callback(forget_failed)
+        return await asyncio.shield(fetching)
+
+    async def _fetch(self, source: ForkSource) -> list[Path]:
+        await self._expire()
+        paths = []
+        try:
+            for index in range(len(source.roots)):
+                path = self.directory / f"fetched-{source.snapshot}.{index}.tar"
+                path.unlink(missing_ok=True)  # a failed fetch's, or another token's
+                paths.append(path)
+                url = f"{source.agent_url}/v1/snapshots/{source.snapshot}/{index}"
+                headers = {"Authorization": f"Bearer {source.token}"}
                 async with self._session().get(url, headers=headers) as resp:
                     if resp.status != 200:
                         said = (await resp.text())[:500]
                         raise ApiError(
                             502, "fork_copy_failed", f"node {source.node}: {resp.status} {said}"
                         )
-                    chunks = resp.content.iter_chunked(READ_CHUNK)
-                    await self.files.write(sandbox, "tar-put", root, chunks)
-            except (aiohttp.ClientError, TimeoutError) as e:
+                    await _write_file(path, resp.content.iter_chunked(READ_CHUNK))
+        except BaseException as e:
+            await asyncio.to_thread(_unlink_all, paths)
+            if isinstance(e, aiohttp.ClientError | TimeoutError):
                 raise ApiError(
                     502, "fork_copy_failed", f"node {source.node}: {type(e).__name__}: {e}"
                 ) from e
+            raise
+        return paths
 
     def _session(self) -> aiohttp.ClientSession:
         if self._http is None:
@@ -158,7 +218,7 @@ class Snapshots:
     async def close(self) -> None:
         if self._http is not None:
             await self._http.close()
-        for snapshot_id in list(self.made):
+        for snapshot_id in {*self.made, *(k[0] for k in self.fetched)}:
             await self.drop(snapshot_id)
 
 
@@ -172,18 +232,6 @@ async def _write_file(path: Path, chunks: AsyncIterator[bytes]) -> int:
     finally:
         await asyncio.to_thread(out.close)
     return size
-
-
-async def read_file(path: Path) -> AsyncIterator[bytes]:
-    try:
-        source = await asyncio.to_thread(open, path, "rb")
-    except FileNotFoundError:
-        raise ApiError(404, "unknown_snapshot", "the snapshot was dropped") from None
-    try:
-        while chunk := await asyncio.to_thread(source.read, READ_CHUNK):
-            yield chunk
-    finally:
-        source.close()
 
 
 def _unlink_all(paths: list[Path]) -> None:

@@ -104,10 +104,13 @@ class Forks:
                 f"{result.code}: {result.message}"
             )  # fmt: skip
         copied = self.clock.now()
+        landed: set[str] = set()  # the nodes the copies went to, which fetched it
         try:
-            leases = await self._leases_of(body, pool, entry.template, owner, node, made)
+            leases = await self._leases_of(body, pool, entry.template, owner, node, made, landed)
         finally:
-            self._drop_later(node, made.snapshot)
+            for node_id in {node.id, *landed}:
+                if (held := self.view.nodes.get(node_id)) is not None:
+                    self._drop_later(held, made.snapshot)
         self.metrics.forks.labels(pool, "forked").inc()
         done = self.clock.now()
         log.info(
@@ -171,8 +174,10 @@ class Forks:
         owner: str | None,
         node: NodeEntry,
         made: SnapshotMade,
+        landed: set[str],
     ) -> list[Lease]:
-        """`body.count` leases on copies of `made`, or none and the first failure."""
+        """`body.count` leases on copies of `made`, or none and the first failure; the
+        nodes of the sandboxes claimed for them are added to `landed`."""
         source = ForkSource(
             node=node.id,
             agent_url=node.url,
@@ -204,6 +209,7 @@ class Forks:
             *(self.leases.await_lease(req, body.timeout_s) for req in requests),
             return_exceptions=True,
         )
+        landed.update(req.claimed_on for req in requests if req.claimed_on is not None)
         leases = [a for a in answers if isinstance(a, Lease)]
         failures = [a for a in answers if not isinstance(a, Lease)]
         if not failures:

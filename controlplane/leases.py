@@ -116,7 +116,7 @@ class Leases:
         self.view.move(entry, SandboxState.LEASED, now)
         self.view.set_pool(entry, req.pool)  # a higher-priority pool may have taken it over
         entry.granted(grant, self._token_deadline(req.pool), now)
-        req.claimed = True
+        req.claimed, req.claimed_on = True, entry.node
         if action.path == "thaw":
             self.metrics.scale_events.labels(entry.pool, "thaw").inc()
 

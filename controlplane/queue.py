@@ -35,6 +35,7 @@ class PendingRequest:
     unplaced: str | None = None  # why no node could take it, while none can
     reservation: str | None = None  # the sandbox being created for it
     claimed: bool = False  # a sandbox is being leased to it
+    claimed_on: str | None = None  # the node of the last sandbox claimed for it
     waiters: int = 0  # acquires waiting on it (a retry with its key is one more)
     # what the policy is shown of it, with the refusals it was made from (refused_by only
     # grows, so its length says whether it changed)
