@@ -66,9 +66,11 @@ class Actuator:
         self.cloud = cloud
         self.tasks: set[asyncio.Task] = set()
         self.ops: dict[str, asyncio.Task] = {}  # the side effect in flight, per sandbox
-        # how long a create takes, per template, from the policy's decision to warm: the
-        # time a taken warm sandbox takes to replace (the policy's flow target)
+        # how long a create takes, per template, from the policy's decision to warm, and
+        # a recycle's reset, from the release to warm: the time a taken warm sandbox
+        # takes to replace (the policy's flow target)
         self.create_times = Durations()
+        self.reset_times = Durations()
 
     def carry_out(self, action: Create | Destroy | Pause | Thaw | Hibernate, now: float) -> None:
         log.debug("carrying out %s", action)  # its reason included
@@ -274,14 +276,16 @@ class Actuator:
         self.metrics.scale_events.labels(entry.pool, "recycle").inc()
 
         async def run() -> None:
-            self._on_reset(entry, await self.call(entry, self.agents.reset, entry.id, req))
+            result = await self.call(entry, self.agents.reset, entry.id, req)
+            self._on_reset(entry, result, now)
 
         return self.spawn(entry, run())
 
-    def _on_reset(self, entry: SandboxEntry, result: CallResult) -> None:
+    def _on_reset(self, entry: SandboxEntry, result: CallResult, began: float) -> None:
         now = self.clock.now()
         self.sandbox_seconds.account(now)
         if result.ok:
+            self.reset_times.observe(entry.template, now - began)
             entry.call_confirmed(now)
             self.view.move(entry, SandboxState.WARM, now)
             entry.recycled(now)

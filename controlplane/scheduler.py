@@ -90,8 +90,9 @@ class Scheduler:
         self.policy = policy or make_policy(config.policy)
         self.cloud = cloud
         self.peaks = PeakTracker(config.peak_window_s)
-        # acquires served a second per (pool, template): with the time a create takes
-        # (the actuator's create_times), what a steady stream needs warm
+        # acquires served a second per (pool, template): with the time a create or a
+        # reset takes (the actuator's create_times, reset_times), what a steady stream
+        # needs warm
         self.acquire_rates = RateTracker()
         self.prewarms = Prewarms()
         self.wakeup = asyncio.Event()
@@ -170,6 +171,7 @@ class Scheduler:
                 t.memory_limit_mb,
                 t.may_overflow,
                 self.image_sent(t.image),
+                t.recyclable,
             )
             for name, t in self.config.templates.items()
         }
@@ -199,7 +201,8 @@ class Scheduler:
             cloud=cloud,
             prewarms=self.prewarms.snaps(now),
             acquire_rates=self.acquire_rates.rates(now),
-            replace_s=self.actuator.create_times.means,
+            create_s=self.actuator.create_times.means,
+            reset_s=self.actuator.reset_times.means,
             seed=self.ticks,
         )
 

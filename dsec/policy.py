@@ -129,6 +129,7 @@ class TemplateSnap:
     # the control plane is sending its image to nodes that lack it: a request for it
     # waits for a node that has it rather than failing
     distributable: bool = False
+    recyclable: bool = False  # a pool that recycles may reset its sandboxes for reuse
 
     @property
     def needs(self) -> Resources:
@@ -202,10 +203,12 @@ class Snapshot:
     cloud: CloudSnap | None = None
     # by pool and template
     prewarms: Mapping[tuple[str, str], PrewarmSnap] = field(default_factory=dict)
-    # acquires served a second, recently, per (pool, template), and the time a new
-    # sandbox of a template takes to be made: a steady stream needs their product warm
+    # acquires served a second, recently, per (pool, template), and the time a sandbox
+    # of a template takes to be made, or to be reset for reuse (a pool that recycles):
+    # a steady stream needs the rate times the time to replace what it takes warm
     acquire_rates: Mapping[tuple[str, str], float] = field(default_factory=dict)
-    replace_s: Mapping[str, float] = field(default_factory=dict)
+    create_s: Mapping[str, float] = field(default_factory=dict)
+    reset_s: Mapping[str, float] = field(default_factory=dict)
     seed: int = 0  # varies sampling between ticks while keeping decide() deterministic
 
 
@@ -574,11 +577,17 @@ class _Decision:
 
     def flow(self, key: tuple[str, str], params: PoolParams) -> int:
         """flow_target for `key` from the snapshot, within max_warm."""
-        return min(params.max_warm, flow_target(self._in_flight(key)))
+        return min(params.max_warm, flow_target(self._in_flight(key, params)))
 
-    def _in_flight(self, key: tuple[str, str]) -> float:
-        """Acquires a second times the time to replace one: creates a stream keeps busy."""
-        return self.snap.acquire_rates.get(key, 0.0) * self.snap.replace_s.get(key[1], 0.0)
+    def recycles(self, key: tuple[str, str], params: PoolParams) -> bool:
+        template = self.snap.templates.get(key[1])
+        return params.recycle and template is not None and template.recyclable
+
+    def _in_flight(self, key: tuple[str, str], params: PoolParams) -> float:
+        """Acquires a second times the time to replace one: a create, or in a pool that
+        recycles, the reset that makes a released sandbox warm again."""
+        times = self.snap.reset_s if self.recycles(key, params) else self.snap.create_s
+        return self.snap.acquire_rates.get(key, 0.0) * times.get(key[1], 0.0)
 
     def prewarm_target(self, key: tuple[str, str], params: PoolParams) -> int:
         """What an active prewarm holds warm for (pool, template): its count less the
@@ -727,10 +736,13 @@ class _Decision:
                     self._create_warm(key, template, params, missing, PREWARM_REASON)
                     continue
                 # paced: the engine serialises creates, so more in flight only steals CPU
-                # from the acquires the warm pool is there to serve; but a steady stream
-                # needs as many in flight as it takes while one is made (Little's law),
-                # or the refill falls behind it whatever the target
-                pace = max(params.refill_concurrency, math.ceil(self._in_flight(key)))
+                # from the acquires the warm pool is there to serve; but where creates
+                # replace what a steady stream takes, it needs as many in flight as it
+                # takes while one is made (Little's law), or the refill falls behind it
+                # whatever the target (where resets replace them, they do not)
+                pace = params.refill_concurrency
+                if not self.recycles(key, params):
+                    pace = max(pace, math.ceil(self._in_flight(key, params)))
                 paced = pace - self.creating.get(key, 0) - extra
                 self._create_warm(
                     key,

@@ -129,15 +129,33 @@ def test_the_warm_target_follows_the_acquire_rate_times_the_create_time():
     assert creates() == 2  # min_warm alone
     # 10 a second, 0.4 s a create: 4 taken while one is made, a target of 8 to be safe,
     # made 4 at a time: as many in flight as the stream needs, past refill_concurrency (2)
-    flow = {"acquire_rates": {key: 10.0}, "replace_s": {"t": 0.4}}
+    flow = {"acquire_rates": {key: 10.0}, "create_s": {"t": 0.4}}
     assert creates(**flow) == 4
     making = [sandbox(f"c{i}", S.CREATING) for i in range(4)]
     assert creates(sandboxes=making, **flow) == 0
     ready = [sandbox(f"w{i}", S.WARM, since=NOW - 0.5) for i in range(4)]
     assert creates(sandboxes=ready, **flow) == 4  # the rest of the 8
     assert creates(sandboxes=ready + making, **flow) == 0
-    assert creates(acquire_rates={key: 100.0}, replace_s={"t": 1.0}) == 20  # max_warm
-    assert creates(acquire_rates={("q", "t"): 10.0}, replace_s={"t": 0.4}) == 2  # not its pool
+    assert creates(acquire_rates={key: 100.0}, create_s={"t": 1.0}) == 20  # max_warm
+    assert creates(acquire_rates={("q", "t"): 10.0}, create_s={"t": 0.4}) == 2  # not its pool
+
+
+def test_a_pool_that_recycles_is_replaced_by_resets_and_its_creates_stay_paced():
+    recycled = TemplateSnap("t", "img:t", cpus=1.0, memory_mb=100, may_overflow=True,
+                            recyclable=True)  # fmt: skip
+    key = ("p", "t")
+    flow = {"acquire_rates": {key: 40.0}, "create_s": {"t": 0.5}, "reset_s": {"t": 0.1}}
+
+    def creates(pool: PoolParams) -> int:
+        s = Snapshot((node(slots=100),), (), (), {"t": recycled}, **flow)
+        return len(of(decide(s, {"p": pool}, NOW), Create, "warm pool below target"))
+
+    # released sandboxes come back in 0.1 s: 4 in reset on average, a target of 8, and
+    # the creates that fill it at refill_concurrency (2), not the 20 creates would need
+    assert creates(params(recycle=True, min_warm=0)) == 2
+    assert creates(params(recycle=True, min_warm=0, refill_concurrency=16)) == 8
+    # the same stream in a pool that does not recycle: creates replace what it takes
+    assert creates(params(recycle=False, min_warm=0, max_warm=40)) == 20  # of a target of 29
 
 
 def test_the_seeds_worked_example():
