@@ -7,44 +7,54 @@ these from its clock, the simulator from virtual time.
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Hashable
+
+# whole buckets seen before a rate is told: a stream goes on for this long at least
+STREAM_BUCKETS = 3
 
 
 class RateTracker:
-    """Events a second per key over the last `window_s`, kept in `bucket_s` buckets. A
-    key seen for less than the window is measured over the time it has been seen (at
-    least one bucket), so a stream that has just begun counts at its own rate, not
-    diluted by the quiet before it."""
+    """The steady rate of events per key: the median count a second over the whole
+    `bucket_s` buckets of the last `window_s` (or since the key was first seen, if
+    later; the bucket under way is not whole and not counted), empty ones included,
+    once there are STREAM_BUCKETS of them. A
+    stream that goes on counts at its rate; a burst, all in a bucket or two, counts as
+    nothing: the recent peak and the scale-up rule size the pool for bursts, and a
+    burst is not a stream to be replaced as it goes."""
 
     def __init__(self, window_s: float = 30.0, bucket_s: float = 1.0) -> None:
         self.window_s = window_s
         self.bucket_s = bucket_s
-        self.buckets: dict[Hashable, deque[list[float]]] = {}  # [[start, count], ...]
+        self.counts: dict[Hashable, dict[float, int]] = {}  # bucket start -> count
         self.first_seen: dict[Hashable, float] = {}
 
+    def _start(self, t: float) -> float:
+        return t - t % self.bucket_s
+
     def observe(self, key: Hashable, now: float, count: int = 1) -> None:
-        buckets = self.buckets.get(key)
-        if buckets is None:
-            buckets = self.buckets[key] = deque()
+        counts = self.counts.get(key)
+        if counts is None:
+            counts = self.counts[key] = {}
             self.first_seen[key] = now
-        start = now - now % self.bucket_s
-        if buckets and buckets[-1][0] == start:
-            buckets[-1][1] += count
-        else:
-            buckets.append([start, float(count)])
+        start = self._start(now)
+        counts[start] = counts.get(start, 0) + count
 
     def rates(self, now: float) -> dict[Hashable, float]:
-        cutoff = now - self.window_s
+        current = self._start(now)
+        oldest = current - self.window_s
         rates: dict[Hashable, float] = {}
-        for key, buckets in list(self.buckets.items()):
-            while buckets and buckets[0][0] + self.bucket_s <= cutoff:
-                buckets.popleft()
-            if not buckets:
-                del self.buckets[key], self.first_seen[key]
+        for key, counts in list(self.counts.items()):
+            for start in [s for s in counts if s < oldest]:
+                del counts[start]
+            if not counts:
+                del self.counts[key], self.first_seen[key]
                 continue
-            seen_for = min(self.window_s, max(self.bucket_s, now - self.first_seen[key]))
-            rates[key] = sum(count for _, count in buckets) / seen_for
+            first = max(oldest, self._start(self.first_seen[key]))
+            whole = int(round((current - first) / self.bucket_s))
+            if whole < STREAM_BUCKETS:
+                continue  # too soon to tell a stream from a burst
+            seen = sorted(counts.get(first + i * self.bucket_s, 0) for i in range(whole))
+            rates[key] = seen[(len(seen) - 1) // 2] / self.bucket_s  # the lower median
         return rates
 
 
