@@ -417,6 +417,30 @@ async def test_live_personalised_acquire(pool, tmp_path):
     assert code == 2 and "cannot read" in err, err
 
 
+async def test_live_fork_prints_the_copies_ids(pool):
+    """`dsec fork ID --count 2`: two new sandboxes with the source's files, one id a line;
+    a count past the maximum is refused with the reason and exit 1, leaving no lease."""
+    env = cli_env(pool.url, pool.tokens.client)
+    code, out, err = await dsec("acquire", env=env)
+    assert code == 0, err
+    sid = out.decode().strip()
+    copies: list[str] = []
+    try:
+        await dsec("exec", sid, "--", "sh", "-c", "echo state > /work/s", env=env)
+        code, out, err = await dsec("fork", sid, "--count", "2", env=env)
+        assert code == 0, err
+        copies = out.decode().split()
+        assert len(set(copies)) == 2 and sid not in copies
+        for copy in copies:
+            code, out, _ = await dsec("exec", copy, "--", "cat", "/work/s", env=env)
+            assert (code, out) == (0, b"state\n")
+        code, _, err = await dsec("fork", sid, "--count", "65", env=env)
+        assert code == 2 and "Traceback" not in err and "count" in err, err
+    finally:
+        for each in (sid, *copies):
+            await dsec("release", each, env=env)
+
+
 async def test_live_shell_on_a_terminal(pool):
     """`dsec shell` on a pseudo-terminal: a terminal in the sandbox of our size, which
     follows a resize, and our terminal's settings restored at the end."""

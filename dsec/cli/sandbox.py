@@ -1,5 +1,5 @@
-"""`dsec acquire`, `dsec exec`, `dsec shell`, `dsec cp` and `dsec release`: a sandbox from
-the command line.
+"""`dsec acquire`, `dsec exec`, `dsec shell`, `dsec cp`, `dsec fork` and `dsec release`: a
+sandbox from the command line.
 
 Every command but acquire names the sandbox by its id and fetches its lease from the
 control plane (`GET /v1/sandboxes/{id}/lease`), so a sandbox acquired by one process
@@ -92,6 +92,19 @@ def cmd_release(args: argparse.Namespace) -> int:
         return 0
 
     return run_remote(args, release)
+
+
+def cmd_fork(args: argparse.Namespace) -> int:
+    labels = _assignments(args.label, "--label")
+
+    async def fork(client: Client) -> int:
+        sb = await client.lease(args.id)
+        forks = await sb.fork(args.count, pool=args.pool, timeout=args.timeout, labels=labels)
+        for copy in forks:
+            print(copy.lease.model_dump_json() if args.json else copy.id)
+        return 0
+
+    return run_remote(args, fork)
 
 
 # --- dsec exec / shell ---------------------------------------------------------------
@@ -279,7 +292,7 @@ async def _download(client: Client, sandbox_id: str, remote: str, local: Path) -
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    """Add `dsec acquire`, `dsec exec`, `dsec shell`, `dsec cp` and `dsec release`."""
+    """Add `dsec acquire`, `dsec exec`, `dsec shell`, `dsec cp`, `dsec fork` and `dsec release`."""
     acq = sub.add_parser("acquire", help="acquire a sandbox and print its id")
     acq.add_argument("--pool", default="default")
     acq.add_argument("--template", default="base")
@@ -345,6 +358,20 @@ def register(sub: argparse._SubParsersAction) -> None:
     rel.add_argument("--json", action="store_true")
     rel.set_defaults(run=cmd_release)
 
-    for parser in (acq, ex, sh, cp, rel):
+    fk = sub.add_parser(
+        "fork",
+        help="copies of a sandbox's /work and /tmp on new sandboxes; prints their ids",
+        description="All or none: the new sandboxes are the caller's, each to be released. "
+        "Processes and memory are not copied.",
+    )
+    fk.add_argument("id", help="the sandbox to copy (held by this client)")
+    fk.add_argument("--count", type=int, default=1, help="how many copies (1 to 64)")
+    fk.add_argument("--pool", help="the copies' pool (default: the source's)")
+    fk.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for all")
+    fk.add_argument("--label", action="append", default=[], metavar="KEY=VALUE")
+    fk.add_argument("--json", action="store_true", help="each lease, token included")
+    fk.set_defaults(run=cmd_fork)
+
+    for parser in (acq, ex, sh, cp, rel, fk):
         add_connection_args(parser)
         parser.set_defaults(prog=parser.prog)
