@@ -442,6 +442,11 @@ class AsyncDocker:
     async def ping(self) -> None:
         await self.call("ping", self.api.version)
 
+    async def engine_id(self) -> str:
+        """The engine's own id: agents that share an engine see the same."""
+        info = await self.call("info", lambda: self.api.system.info())
+        return str(info.get("ID") or "")
+
     async def image_tags(self) -> list[str]:
         images = await self.call("images", self.api.images.list)
         return sorted({t for img in images for t in (img.get("RepoTags") or [])})

@@ -132,6 +132,7 @@ class Agent:
         # died with the engine, not of its own (agent/runtime.py)
         self.engine_outages = 0
         self.images: list[str] = []
+        self.engine_id = ""  # the engine's own id, once it has answered (runtime.py)
         self.url = ""  # set by listening_at() once the port is known
         self.listening = asyncio.Event()
         self.incarnation = secrets.token_hex(8)

@@ -163,6 +163,7 @@ def node_report(agent: Agent, sequence: ReportSequence | None = None) -> NodeRep
         incarnation=agent.incarnation,
         engine_ok=agent.engine_ok,
         create_limit=agent.docker.engine.creates.limit,
+        engine_id=agent.engine_id,
         clock=now,
         seq=part.seq,
         base=part.base,

@@ -153,8 +153,12 @@ async def refresh_images_forever(agent: Agent) -> None:
 
 
 async def refresh_images(agent: Agent) -> None:
+    """The images the engine holds, and its id while not known (an engine that was
+    away at the start is asked again at each refresh)."""
     try:
         agent.images = await agent.docker.image_tags()
+        if not agent.engine_id:
+            agent.engine_id = await agent.docker.engine_id()
     except DockerOpError as e:
         agent.docker_failed(e)
 

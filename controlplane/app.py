@@ -326,6 +326,7 @@ def _node_info(s: Scheduler, n: NodeEntry, now: float) -> NodeInfo:
         engine_ok=n.engine_ok,
         failures=n.failures,
         create_limit=n.create_limit,
+        engine_id=n.engine_id,
         heartbeat_age_s=max(0.0, now - n.last_seen),
         capacity=Capacity(
             cpus=n.capacity.cpus, memory_mb=n.capacity.memory_mb, slots=n.capacity.slots

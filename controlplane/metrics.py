@@ -186,6 +186,13 @@ class ControlPlaneMetrics:
             ["pool"],
             registry=r,
         )
+        self.prewarms = Counter(
+            "dsec_prewarms_total",
+            "Prewarms accepted, by whether the count can be warm within its time at the "
+            "engines' measured create rate",
+            ["pool", "meets_deadline"],
+            registry=r,
+        )
         self.forks = Counter(
             "dsec_forks_total",
             "Fork calls by outcome (forked, refused: past what fits, failed: a copy failed "

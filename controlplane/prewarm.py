@@ -25,12 +25,13 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from controlplane.config import ClientQuota, ControlPlaneConfig, unknown_name
 from controlplane.view import ClusterView
 from dsec.httpkit import ApiError
-from dsec.models import PrewarmInfo, PrewarmRequest, TemplateSpec
+from dsec.models import PrewarmInfo, PrewarmRequest, TemplateSpec, normalise_image_ref
 from dsec.policy import PrewarmSnap, Resources
 from dsec.states import SandboxState
 
@@ -113,12 +114,17 @@ class Prewarms:
         view: ClusterView,
         now: float,
         wall: float,
+        create_times: Mapping[str, float],
     ) -> PrewarmInfo:
         """Check `body` against `owner`'s `quota` (None: an operator's, or a caller's in
         this process), the pool and the nodes, and make it `owner`'s prewarm of `pool`;
         an ApiError says what is wrong (404 for a pool that does not exist, 403 for a
         pool the client may not prewarm, 422 for a hold past the maximum or a count
-        beyond its quota or what fits, saying what does)."""
+        beyond its quota or what fits, saying what does). `create_times` are a create's
+        time by template as the control plane measured them; the answer says by when
+        the count can be warm at that rate, and whether that is
+        within `within_s`: a prewarm that cannot make its deadline is accepted all the
+        same, and says so."""
         params = config.pools.get(pool)
         if params is None:
             raise ApiError(404, "unknown_pool", f"no pool named {pool!r}")
@@ -163,6 +169,8 @@ class Prewarms:
                     f"of template {template} beside the {held} the pool holds{beside}",
                     [{"loc": "count", "msg": f"at most {max(0, fits)}"}],
                 )
+        missing = max(0, body.count - held)
+        ready_in = time_to_make(missing, spec, view, now, create_times.get(template))
         replaced = active.pop((pool, owner), None) is not None
         if body.count > 0:
             active[(pool, owner)] = Prewarm(
@@ -184,7 +192,8 @@ class Prewarms:
             count=body.count,
             within_s=body.within_s,
             hold_s=body.hold_s,
-            ready_by=wall + body.within_s,
+            ready_by=wall + ready_in,
+            meets_deadline=ready_in <= body.within_s,
             until=wall + body.within_s + body.hold_s,
             warm=held,
             replaced=replaced,
@@ -238,6 +247,36 @@ def _check_quota(
             f"pools ask for {elsewhere})",
             [{"loc": "count", "msg": f"at most {allowed}"}],
         )
+
+
+# a create's time assumed before the control plane has measured one of the template
+UNMEASURED_CREATE_S = 1.0
+
+
+def time_to_make(
+    count: int, spec: TemplateSpec, view: ClusterView, now: float, create_s: float | None
+) -> float:
+    """Seconds to make `count` sandboxes of `spec` on the engines of the nodes that take
+    them: each engine runs its measured creates at once (its nodes' create_limit; nodes
+    that share an engine, as `dsec up`'s do, report one engine id and count once), a round
+    of them taking `create_s`. Infinite when no node can make one."""
+    if count <= 0:
+        return 0.0
+    image = normalise_image_ref(spec.image)
+    at_once: dict[str, int] = {}  # engine -> creates it runs at once
+    for node in view.nodes.values():
+        if (
+            not node.placeable(now)
+            or (node.kind == "cloud" and not spec.may_overflow)
+            or image not in node.images
+        ):
+            continue
+        engine = node.engine_id or node.id
+        at_once[engine] = max(at_once.get(engine, 0), node.create_limit)
+    parallel = sum(at_once.values())
+    if not parallel:
+        return math.inf
+    return math.ceil(count / parallel) * (create_s or UNMEASURED_CREATE_S)
 
 
 def room_for(spec: TemplateSpec, view: ClusterView, now: float) -> int:

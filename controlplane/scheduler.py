@@ -380,8 +380,12 @@ class Scheduler:
         warm target by `body.count` until it expires; an ApiError says what `quota`
         (None: no limit) or the pool does not allow."""
         accepted = self.prewarms.accept(
-            pool, body, owner, quota, self.config, self.view, self.clock.now(), self.clock.wall()
-        )
+            pool, body, owner, quota, self.config, self.view, self.clock.now(),
+            self.clock.wall(), self.actuator.create_times.means,
+        )  # fmt: skip
+        if body.count > 0:
+            meets = "true" if accepted.meets_deadline else "false"
+            self.metrics.prewarms.labels(pool, meets).inc()
         self.wake()
         return accepted
 

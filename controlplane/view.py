@@ -66,6 +66,7 @@ class NodeEntry:
     # removed, its leases run to their end; then it may go
     drain_requested: bool = False
     create_limit: int = 4  # creates it runs at once, as its agent measured
+    engine_id: str = ""  # its Docker engine's id: nodes sharing an engine report the same
     # its agent's reports: the last applied (in this incarnation), every sandbox's row as
     # last reported, and the sandboxes whose row could not be settled yet
     seq: int = 0
@@ -478,6 +479,7 @@ class ClusterView:
             last_seen=now,
             engine_ok=report.engine_ok,
             create_limit=report.create_limit,
+            engine_id=report.engine_id,
             clock_offset=now - report.clock,
         )
         self._dirty_nodes.setdefault(node.id)

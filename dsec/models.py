@@ -581,7 +581,14 @@ class PrewarmInfo(Wire):
     count: int
     within_s: float
     hold_s: float
-    ready_by: float = Field(description="wall-clock time (Unix seconds) the count is wanted by")
+    ready_by: float = Field(
+        description="wall-clock time (Unix seconds) by which the count can be warm, at the "
+        "engines' measured create rate (now, when it is warm already)"
+    )
+    meets_deadline: bool = Field(
+        description="ready_by is within within_s: false says the burst will meet a pool "
+        "that is not yet all warm (the prewarm still holds, and fills as fast as it can)"
+    )
     until: float = Field(description="wall-clock time (Unix seconds) the raise ends")
     warm: int = Field(description="sandboxes of the pool and template warm or on the way now")
     replaced: bool = Field(description="it replaced this client's earlier prewarm of the pool")
@@ -719,6 +726,12 @@ class NodeReport(Wire):
         description="creates the node runs at once: past this its engine only gets slower "
         "(the agent measures it)",
     )
+    engine_id: str = Field(
+        "",
+        max_length=128,
+        description="its Docker engine's own id: nodes that share an engine report the same "
+        "(what a prewarm's estimate counts once); empty until the engine has answered",
+    )
     clock: FiniteFloat = Field(
         description="the agent's clock when it made the report, in seconds: the times in "
         "`sandboxes` are on it"
@@ -809,6 +822,7 @@ class NodeInfo(Wire):
     engine_ok: bool
     failures: int = Field(description="calls to it that failed in a row")
     create_limit: int = Field(description="creates its engine runs at once, as its agent measured")
+    engine_id: str = Field("", description="its Docker engine's id: nodes sharing one say the same")
     heartbeat_age_s: float
     capacity: Capacity
     usage: Usage

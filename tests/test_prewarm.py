@@ -10,10 +10,13 @@ import aiohttp
 import pytest
 from harness import Harness
 
+from controlplane.prewarm import time_to_make
+from controlplane.view import ClusterView, NodeEntry
 from dsec.client import Client, DsecError
 from dsec.httpkit import ApiError
-from dsec.models import PoolParams
-from dsec.policy import PREWARM_REASON, Create, Pause
+from dsec.image import BASE_IMAGE
+from dsec.models import PoolParams, TemplateSpec, normalise_image_ref
+from dsec.policy import PREWARM_REASON, Create, Pause, Resources
 from dsec.states import SandboxState as S
 
 # no warm pool of its own (min_warm 0, no share of the peak): every warm sandbox here
@@ -39,7 +42,9 @@ def test_a_prewarm_is_ready_within_its_time_and_its_burst_is_served_warm():
         start = h.now()
         info = h.prewarm(count=30, within_s=10, hold_s=30)
         assert (info.pool, info.template, info.count, info.warm) == ("default", "base", 30, 0)
-        assert not info.replaced and info.until - info.ready_by == 30
+        assert not info.replaced and info.meets_deadline
+        assert info.ready_by <= h.clock.wall() + 10 and info.until == h.clock.wall() + 40
+        assert h.metric("dsec_prewarms_total", pool="default", meets_deadline="true") == 1
         assert h.metric("dsec_prewarm_target", pool="default") == 30
         await h.settle(0.01)
         # not paced at refill_concurrency (2): every create the nodes can start, at once
@@ -59,6 +64,29 @@ def test_a_prewarm_is_ready_within_its_time_and_its_burst_is_served_warm():
         assert all(a.reason == PREWARM_REASON for a in h.decided(Create))
 
     Harness(nodes=3, slots=20, pools={"default": BARE}).run(scenario)
+
+
+def test_a_prewarm_that_cannot_be_warm_in_time_says_by_when_it_can_and_still_holds():
+    async def scenario(h: Harness) -> None:
+        await h.settle(1.5)
+        h.prewarm(count=6, within_s=10, hold_s=5)  # creates measured on these engines
+        await h.settle(10)
+        create_s = h.scheduler.actuator.create_times.means["base"]
+        at_once = sum(n.create_limit for n in h.scheduler.view.nodes.values())
+        wall = h.clock.wall()
+        rounds = 5
+        info = h.prewarm(count=6 + rounds * at_once, within_s=create_s, hold_s=30)
+        # 5 rounds of creates on every engine, in the time of one
+        assert not info.meets_deadline
+        assert info.ready_by == pytest.approx(wall + rounds * create_s)
+        assert h.metric("dsec_prewarms_total", pool="default", meets_deadline="false") == 1
+        await h.settle(0.01)
+        assert h.metric("dsec_prewarm_target", pool="default") == info.count  # held
+        # what is warm already needs nothing: it is ready now
+        again = h.prewarm(count=warm(h), within_s=1, hold_s=30)
+        assert (again.meets_deadline, again.ready_by) == (True, h.clock.wall())
+
+    Harness(nodes=3, slots=100, pools={"default": BARE}).run(scenario)
 
 
 def test_a_prewarm_holds_its_sandboxes_until_it_expires_then_they_are_paused():
@@ -200,3 +228,20 @@ async def test_prewarm_says_what_fits_and_needs_a_pool_and_a_token(controlplane_
         async with http.get(f"{cp.url}/openapi.json") as resp:
             doc = await resp.json()
     assert "post" in doc["paths"]["/v1/pools/{name}/prewarm"]
+
+
+def test_nodes_that_share_an_engine_count_its_creates_once():
+    spec = TemplateSpec(name="base", image=BASE_IMAGE)
+    view = ClusterView(confirm_grace_s=0.0)
+    for i, engine in enumerate(["e1", "e1", "e1", "e2", ""]):
+        view.nodes[f"n{i}"] = NodeEntry(
+            id=f"n{i}", kind="local", url="", capacity=Resources(8.0, 8192, 8),
+            images=frozenset({normalise_image_ref(BASE_IMAGE)}), incarnation="i",
+            last_seen=0.0, create_limit=3 + i, engine_id=engine,
+        )  # fmt: skip
+    # e1's three nodes are one engine of at most 5 at once, e2 6, and n4 (no id yet) 7
+    assert time_to_make(18, spec, view, 0.0, 2.0) == 2.0
+    assert time_to_make(19, spec, view, 0.0, 2.0) == 4.0
+    assert time_to_make(0, spec, view, 0.0, 2.0) == 0.0
+    view.nodes = {}
+    assert time_to_make(1, spec, view, 0.0, 2.0) == float("inf")

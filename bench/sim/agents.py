@@ -378,6 +378,8 @@ class SimAgents:
             incarnation="sim",
             engine_ok=True,
             create_limit=node.queue.creates.limit,
+            # nodes of one engine (shared_engine) say the same, as live agents do
+            engine_id=f"sim-engine-{id(node.engine):x}",
             clock=now,
             seq=part.seq,
             base=part.base,
