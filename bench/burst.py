@@ -465,10 +465,11 @@ def render(r: dict) -> str:
             f"{w['acquires_with_creates_in_flight']} of {w['samples']} with a create in flight "
             f"(at most {w['creating_max']}); percentiles of the warm ones"
         )
-        r = w["round_trip_ms"]
+        trip = w["round_trip_ms"]
         lines.append(
             f"refill: the same moments' floor, a read of the pool's state just before each "
-            f"acquire (GET /v1/pools): p50 {r['p50']} ms, p95 {r['p95']} ms, p99 {r['p99']} ms"
+            f"acquire (GET /v1/pools): p50 {trip['p50']} ms, p95 {trip['p95']} ms, "
+            f"p99 {trip['p99']} ms"
         )
     if (a := r.get("announced")) is not None and "unavailable" not in a:
         promise = a["prewarm"]
