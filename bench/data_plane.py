@@ -195,11 +195,14 @@ def engine_api() -> aiodocker.Docker:
 class EnginePath:
     """The same container straight through the Engine API: the baseline."""
 
-    def __init__(self, container: DockerContainer, sandbox_id: str) -> None:
-        self.container, self.sandbox_id = container, sandbox_id
+    def __init__(self, container: DockerContainer, sandbox_id: str, user: str = "") -> None:
+        # `user`: the sandbox's own (a uid of its own: the owner of its work dir), as the
+        # agent runs its commands; an exec as the engine's default, root without
+        # DAC_OVERRIDE here, could not write the work dir
+        self.container, self.sandbox_id, self.user = container, sandbox_id, user
 
     async def start(self, cmd: list[str], stdin: bool = False) -> tuple[Any, Any]:
-        ex = await self.container.exec(cmd, stdin=stdin)
+        ex = await self.container.exec(cmd, stdin=stdin, user=self.user)
         stream = ex.start(detach=False)
         await stream.__aenter__()
         return ex, stream
@@ -255,7 +258,10 @@ async def find_container(api: aiodocker.Docker, sandbox_id: str) -> EnginePath:
     found = await api.containers.list(filters={"label": [f"{LABEL_SANDBOX}={sandbox_id}"]})
     if len(found) != 1:
         raise BenchError(f"{len(found)} containers carry {LABEL_SANDBOX}={sandbox_id}")
-    return EnginePath(found[0], sandbox_id)
+    code, owner = await EnginePath(found[0], sandbox_id).run(["stat", "-c", "%u:%g", "/work"])
+    if code != 0:
+        raise BenchError(f"could not tell who owns {sandbox_id}'s /work")
+    return EnginePath(found[0], sandbox_id, owner.decode().strip())
 
 
 async def timed(make: Callable[[], Awaitable[Any]]) -> float:
@@ -885,7 +891,8 @@ async def loops_serving(paths: list[AgentPath]) -> float:
     idle); the seconds it took."""
     started = time.perf_counter()
     for path in paths:
-        while await path.checked(["sh", "-c", RESIDENT_PARENT]) != "sh /.dsec/serve ":
+        # the loop is the sandbox's own sh (/.dsec/sh, or the image's) running /.dsec/serve
+        while not (await path.checked(["sh", "-c", RESIDENT_PARENT])).endswith("/.dsec/serve "):
             if time.perf_counter() - started > LOOP_WAIT_S:
                 raise BenchError(f"{path.sb.id}'s commands still take the engine's exec")
             await asyncio.sleep(0.2)
