@@ -32,6 +32,7 @@ from bench.report import (
     compare_reports,
     write_report,
 )
+from bench.sim.profile import Profile
 from controlplane.config import ControlPlaneConfig
 from dsec.models import PoolParams
 from dsec.trace import Episode, TraceError, load_trace
@@ -63,6 +64,18 @@ def add_replay_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--seed", type=int, default=0, help="sim: the simulator's seed")
     parser.add_argument(
+        "--profile",
+        type=Path,
+        help="sim: this engine's timings, from `dsec bench calibrate` (default: built in)",
+    )
+    parser.add_argument(
+        "--shared-engine",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="sim: the nodes share one engine, as `dsec up`'s local pool does (the default); "
+        "--no-shared-engine: an engine each, as on separate machines",
+    )
+    parser.add_argument(
         "--horizon-s",
         type=float,
         help="sim: stop at this simulated time (replay seconds); what still runs is unreleased",
@@ -82,6 +95,8 @@ def _bad_replay_flags(args: argparse.Namespace) -> str | None:
         return f"--time-scale must be a finite number > 0, got {args.time_scale}"
     if args.url is not None and args.mode == "sim":
         return "--url is for --mode live"
+    if args.profile is not None and args.mode != "sim":
+        return "--profile is for --mode sim (a live run is on the engine itself)"
     if args.horizon_s is not None:
         if args.mode != "sim":
             return "--horizon-s is for --mode sim"
@@ -133,6 +148,11 @@ def run_replay(args: argparse.Namespace) -> int:
     except TraceError as error:
         print(f"dsec bench replay: {error}", file=sys.stderr)
         return 2
+    try:
+        profile = Profile.load(args.profile) if args.profile is not None else None
+    except (ValueError, OSError) as error:  # a JSON error is a ValueError
+        print(f"dsec bench replay: --profile {args.profile}: {error}", file=sys.stderr)
+        return 2
     # the trace lasts until the command ends: the cyclic collector need not go through
     # it again (a full collection of a trace at DSec's scale takes seconds)
     gc.freeze()
@@ -158,6 +178,8 @@ def run_replay(args: argparse.Namespace) -> int:
             seed=args.seed,
             time_scale=args.time_scale,
             params=_pool_params(episodes, args),
+            profile=profile,
+            shared_engine=args.shared_engine,
             horizon_s=args.horizon_s,
             progress=True,
         )

@@ -120,6 +120,9 @@ class IdleEngine:
     async def ping(self) -> None:
         return None
 
+    async def engine_id(self) -> str:
+        return "idle-engine"
+
     async def close(self) -> None:
         return None
 

@@ -18,6 +18,7 @@ from bench.report import (
     load_report,
     write_report,
 )
+from bench.sim.profile import Profile
 from dsec.trace import dump_trace
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -286,3 +287,34 @@ def test_the_replay_command_runs_each_baseline_at_its_best_configuration(tmp_pat
         assert run_replay(parser.parse_args(argv)) == 0
         report = json.loads(capsys.readouterr().out)
         assert report["params"][field] == expected, (policy, report["params"])
+
+
+def test_sim_replay_takes_a_profile_and_shares_one_engine_unless_told(tmp_path, capsys):
+    trace = tmp_path / "trace.jsonl"
+    dump_trace(generate("poisson", duration_s=20, rate_per_s=0.5, seed=4, lifetime_p50_s=10,
+                        lifetime_p99_s=30), trace)  # fmt: skip
+    profile = tmp_path / "engine.json"
+    Profile.default(n=200, seed=1).save(profile)
+    parser = argparse.ArgumentParser()
+    add_replay_arguments(parser)
+    base = ["--trace", str(trace), "--mode", "sim", "--json"]
+    for extra, shared, source in (
+        ([], True, None),  # as dsec up: three agents on one engine
+        (["--no-shared-engine", "--profile", str(profile)], False, profile),
+    ):
+        argv = [*base, *extra, "--out", str(tmp_path / f"out-{shared}")]
+        assert run_replay(parser.parse_args(argv)) == 0
+        report = json.loads(capsys.readouterr().out)
+        assert report["shared_engine"] is shared
+        if source is not None:
+            assert report["profile"] == Profile.load(source).source
+    for bad, says in (
+        (["--profile", str(tmp_path / "missing.json")], "missing.json"),
+        (["--profile", str(trace)], "profile"),  # not a profile
+    ):
+        assert run_replay(parser.parse_args([*base, *bad])) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("dsec bench replay:") and says in err and err.count("\n") == 1
+    live = ["--trace", str(trace), "--mode", "live", "--profile", str(profile)]
+    assert run_replay(parser.parse_args(live)) == 2
+    assert "--profile is for --mode sim" in capsys.readouterr().err

@@ -42,6 +42,7 @@ TOPIC_OF = {
     "shell": "sandbox",
     "cp": "sandbox",
     "release": "sandbox",
+    "fork": "sandbox",
     "pool": "pool",
     "template": "template",
     "node": "node",
