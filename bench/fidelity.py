@@ -12,8 +12,10 @@ interval: the control plane's schedule time, from an acquire's arrival to its le
 made on the agent.
 
 Timings on a shared machine move with its other load, so `--calibrate` measures the
-profile (`dsec bench calibrate`) in this invocation, right before the live replay,
-and saves it in the output directory. The simulator's figures are the median over
+profile (`dsec bench calibrate`) in this invocation, right before the live replay, and
+again right after it, saves both in the output directory (`profile.json`,
+`profile-after.json`), and simulates with each (`sim`, `sim_after`): the engine's drift
+over the live run falls between the two. The simulator's figures are the median over
 `--sim-seeds` seeds (its own spread is reported too): one live run against the
 simulator's typical run, not against one draw of it. Reported: the relative error of
 p50 and p95 schedule latency and of utilisation, |sim - live| / live.
@@ -26,6 +28,7 @@ import asyncio
 import dataclasses
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from bench.calibrate import CALIBRATE_ERRORS
@@ -66,59 +69,72 @@ def figures_of(report: dict) -> dict:
 
 def fidelity(episodes, spec: LocalPoolSpec, *, time_scale: float, seed: int,
              profile: Profile | None, trace_name: str, out: Path,
-             sim_seeds: int = 1, progress: bool = False) -> dict:  # fmt: skip
+             sim_seeds: int = 1, progress: bool = False,
+             recalibrate: Callable[[], Profile] | None = None) -> dict:  # fmt: skip
     """Replay `episodes` live on a local pool started from `spec`, then simulate the
     pool `spec` describes (its policy, nodes, slots, pool parameters and tick), with
-    progress bars on stderr for the episodes and the seeds if `progress`."""
+    progress bars on stderr for the episodes and the seeds if `progress`. With
+    `recalibrate`, the engine is measured again right after the live run and the
+    simulations are run with that profile too (`sim_after`): the engine drifts, and the
+    live run happened between the two."""
     live = asyncio.run(
         replay_live(episodes, pool_spec=spec, time_scale=time_scale, policy=spec.policy,
                     trace=trace_name, seed=seed, progress=progress)
     )  # fmt: skip
-    sims = []
-    with progress_bar(sim_seeds, "dsec bench fidelity: simulations", "sim", shown=progress) as bar:
-        for s in range(seed, seed + sim_seeds):
-            sims.append(
-                simulate(
-                    episodes,
-                    policy=spec.policy,
-                    nodes=spec.nodes,
-                    slots_per_node=spec.capacity.slots,
-                    seed=s,
-                    time_scale=time_scale,
-                    params=spec.pool,
-                    profile=profile,
-                    shared_engine=True,
-                    tick_s=spec.tick_s,
-                    trace_name=trace_name,
-                )
-            )
-            bar.update(1)
-    for side, run in (("live", live), ("sim", sims[0])):
-        write_report(run, out / side)
-        write_records(run, out / side / RECORDS_FILE)
-    per_seed = [figures_of(build_report(sim)) for sim in sims]
-    figures = {
-        "live": figures_of(build_report(live)),
-        "sim": {name: round(quantile([f[name] for f in per_seed], 0.5), 4) for name in FIGURES},
-    }
-    errors = {name: relative_error(figures["sim"][name], figures["live"][name]) for name in FIGURES}
-    spread = {
-        name: [min(f[name] for f in per_seed), max(f[name] for f in per_seed)] for name in FIGURES
-    }
-    return {"trace": trace_name, "policy": spec.policy, "time_scale": time_scale, **figures,
-            "relative_error": errors, "sim_seeds": sim_seeds, "sim_spread": spread,
-            "profile": profile.source if profile else "default",
-            "sim_wall_s": round(sum(sim.meta["wall_s"] for sim in sims), 3),
-            "live_wall_s": live.meta.get("wall_s")}  # fmt: skip
+    profiles = {"sim": profile}
+    if recalibrate is not None:
+        profiles["sim_after"] = recalibrate()
+    live_figures = figures_of(build_report(live))
+    write_report(live, out / "live")
+    write_records(live, out / "live" / RECORDS_FILE)
+    result: dict = {"trace": trace_name, "policy": spec.policy, "time_scale": time_scale,
+                    "live": live_figures, "sim_seeds": sim_seeds,
+                    "live_wall_s": live.meta.get("wall_s"), "sim_wall_s": 0.0}  # fmt: skip
+    for side, side_profile in profiles.items():
+        sims = []
+        what = f"dsec bench fidelity: simulations ({side})"
+        with progress_bar(sim_seeds, what, "sim", shown=progress) as bar:
+            for s in range(seed, seed + sim_seeds):
+                sims.append(
+                    simulate(episodes, policy=spec.policy, nodes=spec.nodes,
+                             slots_per_node=spec.capacity.slots, seed=s, time_scale=time_scale,
+                             params=spec.pool, profile=side_profile, shared_engine=True,
+                             tick_s=spec.tick_s, trace_name=trace_name)
+                )  # fmt: skip
+                bar.update(1)
+        write_report(sims[0], out / side)
+        write_records(sims[0], out / side / RECORDS_FILE)
+        per_seed = [figures_of(build_report(sim)) for sim in sims]
+        figures = {name: round(quantile([f[name] for f in per_seed], 0.5), 4) for name in FIGURES}
+        suffix = side.removeprefix("sim")
+        result[side] = figures
+        result[f"relative_error{suffix}"] = {
+            name: relative_error(figures[name], live_figures[name]) for name in FIGURES
+        }
+        result[f"sim_spread{suffix}"] = {
+            name: [min(f[name] for f in per_seed), max(f[name] for f in per_seed)]
+            for name in FIGURES
+        }
+        result[f"profile{suffix}"] = side_profile.source if side_profile else "default"
+        result["sim_wall_s"] = round(result["sim_wall_s"] + sum(s.meta["wall_s"] for s in sims), 3)
+    return result
 
 
 def render(result: dict) -> str:
     lines = ["| | p50 schedule ms | p95 schedule ms | utilisation |", "|---|---|---|---|"]
-    for side in ("live", "sim"):
-        f = result[side]
+    f = result["live"]
+    lines.append(f"| live | {f['p50_ms']} | {f['p95_ms']} | {f['utilisation']} |")
+    for side, when in (("sim", "before"), ("sim_after", "after")):
+        if side not in result:
+            continue
+        suffix = side.removeprefix("sim")
+        f, e = result[side], result[f"relative_error{suffix}"]
         lines.append(f"| {side} | {f['p50_ms']} | {f['p95_ms']} | {f['utilisation']} |")
-    e = result["relative_error"]
-    lines.append(f"| relative error | {e['p50_ms']} | {e['p95_ms']} | {e['utilisation']} |")
+        lines.append(f"| relative error | {e['p50_ms']} | {e['p95_ms']} | {e['utilisation']} |")
+        if suffix:
+            lines.append(
+                f"({side}: profile measured {when} the live run: {result['profile' + suffix]})"
+            )
     lines.append(f"(sim: median of {result['sim_seeds']} seeds; profile: {result['profile']})")
     return "\n".join(lines)
 
@@ -138,12 +154,18 @@ def run_fidelity(args: argparse.Namespace) -> int:
         return 2
     args.out.mkdir(parents=True, exist_ok=True)
     try:
+        recalibrate = None
         if args.calibrate:
             profile = measure_profile(args)
+
+            def recalibrate() -> Profile:
+                return measure_profile(args, "profile-after.json")
+
         spec = default_pool_spec(args.policy, nodes=args.nodes, slots_per_node=args.slots_per_node)
         result = fidelity(
             episodes, spec, time_scale=args.time_scale, seed=args.seed, profile=profile,
             trace_name=str(args.trace), out=args.out, sim_seeds=args.sim_seeds, progress=True,
+            recalibrate=recalibrate,
         )  # fmt: skip
     except (*CALIBRATE_ERRORS, ReplayError) as e:
         print(f"dsec bench fidelity: {type(e).__name__}: {e}", file=sys.stderr)

@@ -98,7 +98,11 @@ class Forks:
         made = _snapshot_of(result.answer) if result.ok else None
         if made is None:
             self.metrics.forks.labels(pool, "failed").inc()
+            # a file of the sandbox's that its own user may not read is the workload's
+            # doing (422), not the caller's credential (the node's 403)
             status = 502 if result.node_fault or result.ok else result.status
+            if result.code == "permission_denied":
+                status = 422
             raise ApiError(
                 status, "snapshot_failed", f"node {node.id} could not copy {sandbox_id}: "
                 f"{result.code}: {result.message}"

@@ -17,7 +17,13 @@ from bench.calibrate import (
     command_weight,
     exec_weight,
 )
-from bench.fidelity import add_fidelity_arguments, fidelity, relative_error, run_fidelity
+from bench.fidelity import (
+    add_fidelity_arguments,
+    fidelity,
+    relative_error,
+    render,
+    run_fidelity,
+)
 from bench.sim.profile import OPS, Profile
 from dsec.models import PoolParams
 from dsec.trace import Episode, Step, dump_trace
@@ -110,8 +116,12 @@ def test_a_small_trace_replayed_live_and_simulated_gives_both_figures(docker_cli
     spec = make_spec(tmp_path, nodes=2, pool=PoolParams(min_warm=2))
     STARTED_POOLS.add(spec.name)
     profile = Profile.default(n=200)
+    # the profile measured again after the live run (here one drawn with another seed:
+    # what is checked is that both are simulated and reported apart)
+    after = Profile.default(n=200, seed=9)
     result = fidelity(small_trace(), spec, time_scale=1.0, seed=1, profile=profile,
-                      trace_name="small", out=tmp_path / "out", sim_seeds=3)  # fmt: skip
+                      trace_name="small", out=tmp_path / "out", sim_seeds=3,
+                      recalibrate=lambda: after)  # fmt: skip
     assert not pool_containers(docker_client, spec.name + "-"), "the live pool is gone"
     for side in ("live", "sim"):
         figures = result[side]
@@ -125,5 +135,9 @@ def test_a_small_trace_replayed_live_and_simulated_gives_both_figures(docker_cli
     for name, (low, high) in result["sim_spread"].items():
         assert low <= result["sim"][name] <= high, name
     assert result["sim_seeds"] == 3 and result["policy"] == spec.policy
-    for side in ("live", "sim"):
+    for side in ("live", "sim", "sim_after"):
         assert (tmp_path / "out" / side / "report.json").exists()
+    assert result["profile_after"] == after.source
+    for name, error in result["relative_error_after"].items():
+        assert error == relative_error(result["sim_after"][name], result["live"][name]), name
+    assert "| sim_after |" in render(result) and "after the live run" in render(result)
