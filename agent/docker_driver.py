@@ -24,7 +24,7 @@ from aiodocker.exceptions import DockerError
 from aiodocker.execs import Exec
 from aiodocker.stream import Stream
 
-from agent.engine import CREATES, CreateLimit, EngineQueue, Work
+from agent.engine import CREATES, CreateLimit, CreateSlots, EngineQueue, Work
 from agent.host import kill_pid_namespace
 from agent.users import WORKDIR_MODE, numeric_user
 from dsec.clock import Clock
@@ -278,6 +278,9 @@ class AsyncDocker:
         self.observe = observe
         self.url = url or os.environ.get("DOCKER_HOST") or "unix:///var/run/docker.sock"
         self.engine = EngineQueue(LIFECYCLE_SLOTS, CreateLimit(), clock.now)
+        # the bound on creates the agents that share this engine share, once its id is
+        # known (agent/runtime.py); None: this agent's own limit alone
+        self.engine_wide: CreateSlots | None = None
         self._api: aiodocker.Docker | None = None
         self.entrypoints: dict[str, list[str]] = {}  # by image name, read once
 
@@ -298,7 +301,7 @@ class AsyncDocker:
 
     async def call(self, op: str, make: Callable[[], Awaitable[T]], work: Work = Work.CLIENT) -> T:
         """Run one Engine API call (`make()`) as `op`, once `work` may start."""
-        async with self.engine.turn(work):
+        async with self.engine.turn(work), self._engine_wide_slot(work):
             started = self.clock.now()
             try:
                 return await make()
@@ -314,6 +317,12 @@ class AsyncDocker:
                 if work in CREATES:
                     self.engine.creates.observe(took, self.engine.creating())
         raise AssertionError("unreachable")  # the context manager never swallows
+
+    def _engine_wide_slot(self, work: Work) -> contextlib.AbstractAsyncContextManager:
+        """A create's slot among every create on this engine, from whichever agent."""
+        if work in CREATES and self.engine_wide is not None:
+            return self.engine_wide.slot(self.engine.creates.limit)
+        return contextlib.nullcontext()
 
     def _container(self, container_id: str) -> aiodocker.containers.DockerContainer:
         return self.api.containers.container(container_id)

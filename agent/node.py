@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import re
 import secrets
 from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass
@@ -29,7 +30,7 @@ from agent.docker_driver import (
     AsyncDocker,
     DockerOpError,
 )
-from agent.engine import Work
+from agent.engine import EngineWideCreates, Work
 from agent.execs import Execs
 from agent.files import Files
 from agent.host import Unavailable, reset_from_host
@@ -188,6 +189,14 @@ class Agent:
         self.listening.set()
 
     # --- capacity -----------------------------------------------------------
+
+    def share_engine_bound(self) -> None:
+        """Bound creates with every agent of this state dir on the same engine (the
+        agents of `dsec up`), by the engine's id: agent/engine.py EngineWideCreates."""
+        if self.engine_id:
+            name = re.sub(r"[^A-Za-z0-9-]", "-", self.engine_id)[:80]
+            directory = self.config.state_dir / f"engine-{name}-creates"
+            self.docker.engine_wide = EngineWideCreates(directory)
 
     def usage(self) -> Usage:
         live = [s for s in self.sandboxes.values() if s.occupies]

@@ -159,6 +159,7 @@ async def refresh_images(agent: Agent) -> None:
         agent.images = await agent.docker.image_tags()
         if not agent.engine_id:
             agent.engine_id = await agent.docker.engine_id()
+            agent.share_engine_bound()
     except DockerOpError as e:
         agent.docker_failed(e)
 

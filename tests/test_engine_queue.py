@@ -4,8 +4,19 @@ virtual time: no engine, no waiting."""
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 
-from agent.engine import REMOVE_WAITS_AT_MOST_S, CreateLimit, EngineQueue, Work
+import pytest
+
+from agent.engine import (
+    REMOVE_WAITS_AT_MOST_S,
+    CreateLimit,
+    EngineQueue,
+    EngineWideCreates,
+    SharedCreates,
+    Work,
+)
 from bench.sim.loop import VirtualTimeLoop
 
 
@@ -165,3 +176,67 @@ def test_the_create_limit_does_not_grow_while_it_is_not_used():
     for _ in range(10):
         limit.observe(0.2, running=1)
     assert limit.limit == 2
+
+
+@pytest.mark.parametrize("shared", ["files", "memory"])
+def test_agents_on_one_engine_share_its_bound_on_creates(tmp_path, shared):
+    """Three agents' creates on one engine: at most the highest of their limits at once
+    (EngineWideCreates across processes by flock, SharedCreates in the simulator)."""
+
+    async def scenario() -> None:
+        if shared == "files":  # one per agent, as each agent opens the same directory
+            slots = [EngineWideCreates(tmp_path / "engine-x-creates") for _ in range(3)]
+        else:
+            slots = [SharedCreates()] * 3
+        running, most = 0, 0
+        release = asyncio.Event()
+
+        async def create(agent: int, limit: int) -> None:
+            nonlocal running, most
+            async with slots[agent].slot(limit):
+                running += 1
+                most = max(most, running)
+                await release.wait()
+                running -= 1
+
+        tasks = [asyncio.ensure_future(create(i % 3, 2 + i % 2)) for i in range(9)]
+        await asyncio.sleep(0.1)
+        assert running == 3  # limits 2, 3 and 2: the highest, 3, engine-wide
+        release.set()
+        await asyncio.gather(*tasks)
+        assert (most, running) == (3, 0)
+
+    asyncio.run(scenario())
+
+
+def test_a_killed_agent_s_slot_comes_back(tmp_path):
+    """A slot is a lock the kernel lets go of with its holder: an agent killed while it
+    creates leaves nothing to clean up."""
+    directory = tmp_path / "engine-x-creates"
+    mine = EngineWideCreates(directory)  # makes the directory
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD_SLOT_0, str(directory / "slot-0")], stdout=subprocess.PIPE
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == b"held\n"
+
+        async def scenario() -> None:
+            waiting = asyncio.ensure_future(mine.slot(1).__aenter__())
+            await asyncio.sleep(0.1)
+            assert not waiting.done()  # the other agent's create holds the only slot
+            holder.kill()
+            await asyncio.wait_for(waiting, 5)
+
+        asyncio.run(scenario())
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+HOLD_SLOT_0 = """
+import fcntl, os, sys, time
+fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT)
+fcntl.flock(fd, fcntl.LOCK_EX)
+print("held", flush=True)
+time.sleep(60)
+"""

@@ -20,6 +20,7 @@ one engine, as the local multi-node pool is.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import heapq
 import logging
@@ -30,7 +31,7 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
-from agent.engine import CREATES, CreateLimit, EngineQueue, Work
+from agent.engine import CREATES, CreateLimit, EngineQueue, SharedCreates, Work
 from agent.report import ReportSequence
 from bench.sim.profile import Profile
 from controlplane.agents import OK, AgentAddress, CallResult
@@ -312,6 +313,8 @@ class SimNode:
         self.reports = ReportSequence()  # its agent's heartbeats: deltas, as live
         # op -> results to answer instead of doing it, first first (injected faults)
         self.faults: dict[str, list[CallResult]] = {}
+        # the creates its engine runs at once, shared with the nodes on the same engine
+        self.engine_wide: SharedCreates | None = None
 
     def occupy(self, needs: Resources, sign: int) -> None:
         self.used = Resources(
@@ -340,16 +343,23 @@ class SimAgents:
     # the simulator's control plane decides on it that much sooner (bench/sim/ticks.py)
     on_ready: Callable[[float], None] | None = None
     _engine: Engine | None = None
+    _engine_wide: SharedCreates | None = None
 
     def add_node(self, node_id: str, kind: str, capacity: Resources, images: set[str]) -> SimNode:
+        engine_wide = None
         if self.shared_engine:
             self._engine = self._engine or Engine(self.profile)
             engine = self._engine
+            # its agents share the bound on the engine's creates, as live
+            # (agent/engine.py EngineWideCreates)
+            self._engine_wide = self._engine_wide or SharedCreates()
+            engine_wide = self._engine_wide
         else:
             engine = Engine(self.profile)
         node = self.nodes[node_id] = SimNode(
             node_id, kind, capacity, set(images), engine, self.profile.engine_concurrency
         )
+        node.engine_wide = engine_wide
         return node
 
     def inject(self, node_id: str, op: str, result: CallResult, times: int = 1) -> None:
@@ -435,7 +445,10 @@ class SimAgents:
             await asyncio.sleep(self.profile.draw(op, self.rng))
 
     async def _engine_op(self, node: SimNode, op: str, work: Work) -> None:
-        async with node.queue.turn(work):
+        engine_wide = contextlib.nullcontext()
+        if work in CREATES and node.engine_wide is not None:
+            engine_wide = node.engine_wide.slot(node.queue.creates.limit)
+        async with node.queue.turn(work), engine_wide:
             started = asyncio.get_running_loop().time()
             await self._take(op, node)
             if work in CREATES:
