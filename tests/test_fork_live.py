@@ -12,6 +12,7 @@ import pytest
 import pytest_asyncio
 from conftest import eventually, make_spec, started_pool
 
+from bench.fork import tree as digests  # every file's sha256, links and modes
 from dsec.client import Client, DsecError, Sandbox
 from dsec.models import Capacity, PoolParams
 from dsec.tokens import LEASE_TOKEN_HEADER
@@ -20,12 +21,6 @@ pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 NODES = 3
 SLOTS = 8  # per node: a fork past the pool's room is easy to ask for
-# what a tree's digest is taken with: every file's path and sha256, then links and modes
-TREE_DIGEST = (
-    "cd {root} && find . -type f | sort | xargs -r sha256sum; "
-    'find . -type l | sort | while read -r l; do echo "$l -> $(readlink "$l")"; done; '
-    "find . | sort | xargs -r stat -c '%n %a %s'"
-)
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
@@ -66,13 +61,6 @@ async def fill(sb: Sandbox) -> None:
         "printf '#!/bin/sh\\necho run\\n' > /work/repo/run.sh && chmod 755 /work/repo/run.sh && "
         "chmod 600 /work/repo/pkg/main.py && ln -s pkg/main.py /work/repo/entry && "
         "head -c 100000 /dev/urandom > /tmp/cache/blob",
-    )
-
-
-async def digests(sb: Sandbox) -> tuple[str, str]:
-    return (
-        await out(sb, TREE_DIGEST.format(root="/work")),
-        await out(sb, TREE_DIGEST.format(root="/tmp")),
     )
 
 
