@@ -761,9 +761,10 @@ class Files:
                 waiting.cancel()
 
     async def unpack_file(self, sandbox: Sandbox, path: str, archive: BinaryIO) -> FileInfo:
-        """Unpack the tar `archive`, a file the agent opened, into directory `path`: read
-        in the operation's own thread, so no chunk goes through the event loop (the
-        thread runs as the sandbox's user, who could not open the agent's file)."""
+        """Unpack the tar `archive`, a file the agent opened or bytes it holds, into
+        directory `path`: read in the operation's own thread, so no chunk goes through
+        the event loop (the thread runs as the sandbox's user, who could not open the
+        agent's file)."""
         tree = await self._tree(sandbox)
         step = partial(write_tar, tree, path, lambda: archive.read(CHUNK) or None)
         return await self._run(sandbox, tree, step)

@@ -11,10 +11,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import io
 import logging
 import re
 import secrets
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import Coroutine
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -404,12 +405,8 @@ class Agent:
             if grant.fork_from:
                 await self.snapshots.copy_into(sandbox, grant.fork_from)
             if grant.files_tar:
-                tar = grant.files_tar
-
-                async def body() -> AsyncIterator[bytes]:
-                    yield tar
-
-                await self.files.write(sandbox, "tar-put", sandbox.spec.workdir, body())
+                archive = io.BytesIO(grant.files_tar)
+                await self.files.unpack_file(sandbox, sandbox.spec.workdir, archive)
             if grant.setup:
                 req = ExecRequest(
                     cmd=grant.setup,

@@ -145,12 +145,7 @@ class Forks:
                     f"this client holds {held} leases of its max_leases {quota.max_leases}",
                 )
             )
-        free = sum(
-            1
-            for state in FREE
-            for e in self.view.by_state[state].values()
-            if e.pool == pool and e.template == template and e.reserved_for is None
-        )
+        free = self.view.count_unreserved(pool, template, FREE)
         waiting = sum(1 for r in self.queues.waiting() if r.pool == pool and r.template == template)
         room = room_for(self.config.templates[template], self.view, now)
         limits.append(

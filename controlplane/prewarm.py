@@ -25,11 +25,11 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 from controlplane.config import ClientQuota, ControlPlaneConfig, unknown_name
-from controlplane.view import ClusterView
+from controlplane.view import ClusterView, NodeEntry
 from dsec.httpkit import ApiError
 from dsec.models import PrewarmInfo, PrewarmRequest, TemplateSpec, normalise_image_ref
 from dsec.policy import PrewarmSnap, Resources
@@ -141,12 +141,7 @@ class Prewarms:
         spec = config.templates.get(template)
         if spec is None:
             raise unknown_name("template", template, config.templates)
-        held = sum(
-            1
-            for state in HELD
-            for e in view.by_state[state].values()
-            if e.pool == pool and e.template == template and e.reserved_for is None
-        )
+        held = view.count_unreserved(pool, template, HELD)
         active = self.active(now)
         if body.count > 0:
             _check_hold(body, config.max_prewarm_hold_s)
@@ -249,6 +244,14 @@ def _check_quota(
         )
 
 
+def _taking(spec: TemplateSpec, view: ClusterView, now: float) -> Iterator[NodeEntry]:
+    """The nodes that take sandboxes of `spec` now: local ones, and the cloud nodes up
+    now if the template may overflow (not those a cloud provider could still boot)."""
+    for node in view.nodes.values():
+        if node.placeable(now) and (node.kind != "cloud" or spec.may_overflow):
+            yield node
+
+
 # a create's time assumed before the control plane has measured one of the template
 UNMEASURED_CREATE_S = 1.0
 
@@ -264,12 +267,8 @@ def time_to_make(
         return 0.0
     image = normalise_image_ref(spec.image)
     at_once: dict[str, int] = {}  # engine -> creates it runs at once
-    for node in view.nodes.values():
-        if (
-            not node.placeable(now)
-            or (node.kind == "cloud" and not spec.may_overflow)
-            or image not in node.images
-        ):
+    for node in _taking(spec, view, now):
+        if image not in node.images:
             continue
         engine = node.engine_id or node.id
         at_once[engine] = max(at_once.get(engine, 0), node.create_limit)
@@ -280,15 +279,12 @@ def time_to_make(
 
 
 def room_for(spec: TemplateSpec, view: ClusterView, now: float) -> int:
-    """How many more sandboxes of `spec` the nodes that take work have room for: local
-    ones, and the cloud nodes up now if the template may overflow (not those a cloud
-    provider could still boot)."""
+    """How many more sandboxes of `spec` the nodes that take them (`_taking`) have room
+    for."""
     needs = Resources(spec.cpus, spec.memory_limit_mb, 1)
     used_by_node = view.used_by_node()
     room = 0
-    for node in view.nodes.values():
-        if not node.placeable(now) or (node.kind == "cloud" and not spec.may_overflow):
-            continue
+    for node in _taking(spec, view, now):
         used = used_by_node.get(node.id, Resources())
         cap = node.capacity
         room += max(

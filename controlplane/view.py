@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -430,6 +430,16 @@ class ClusterView:
 
     def on_node(self, node_id: str) -> list[SandboxEntry]:
         return list(self._by_node.get(node_id, {}).values())
+
+    def count_unreserved(self, pool: str, template: str, states: Iterable[SandboxState]) -> int:
+        """Sandboxes of `pool` and `template` in `states` that no waiting request's create
+        is making: what an announced burst or a fork may count on."""
+        return sum(
+            1
+            for state in states
+            for e in self.by_state[state].values()
+            if e.pool == pool and e.template == template and e.reserved_for is None
+        )
 
     def apply_report(self, report: NodeReport, now: float) -> ReportChanges:
         """Apply a heartbeat: a full report, or a delta based on a report this view has
