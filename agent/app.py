@@ -23,9 +23,11 @@ from agent.files import checked_mode, checked_path
 from agent.images import ImageLoaded, ImageLoader
 from agent.node import SHUTDOWN_WAIT_S, Agent
 from agent.report import node_report, sandbox_report
-from agent.resident import RunningCommand
+from agent.resident import RunningCommand, sweep_orphans
 from agent.sandboxes import Sandbox
 from dsec.httpkit import (
+    FORM_TYPE,
+    MAX_BODY_BYTES,
     Api,
     ApiError,
     CredentialRefused,
@@ -39,6 +41,7 @@ from dsec.httpkit import (
     new_app,
     parse_json,
     parse_model,
+    read_form,
     read_model,
     require_token,
     route_of,
@@ -46,6 +49,8 @@ from dsec.httpkit import (
 )
 from dsec.models import (
     CLAIM_FILES_CEILING,
+    GRANT_FILES_PART,
+    GRANT_PART,
     SANDBOX_ID_RE,
     CreateSandbox,
     ExecRequest,
@@ -110,10 +115,26 @@ async def create_sandbox(request: web.Request) -> web.Response:
 async def lease_sandbox(request: web.Request) -> web.Response:
     agent = _control_plane_only(request)
     sandbox_id = sandbox_id_param(request)
-    # (a grant carries its claim's files: the control plane's limit holds them)
-    grant = await read_model(request, LeaseGrant, body_limit_with_files(CLAIM_FILES_CEILING))
+    grant = await _read_grant(request)
     sandbox = await agent.to_completion(agent.lease(sandbox_id, grant))
     return model_response(sandbox_report(sandbox, agent.clock.now()))
+
+
+async def _read_grant(request: web.Request) -> LeaseGrant:
+    """A grant, its claim's files (the control plane's limit holds them) in base64 JSON
+    or, as the control plane sends them, as a form's second part, bytes as they are."""
+    if request.content_type != FORM_TYPE:
+        return await read_model(request, LeaseGrant, body_limit_with_files(CLAIM_FILES_CEILING))
+    parts = await read_form(request, MAX_BODY_BYTES + CLAIM_FILES_CEILING, 2)
+    names = [part.name for part in parts]
+    if names != [GRANT_PART, GRANT_FILES_PART]:
+        raise ApiError(
+            422, "validation_error", f"a grant's form is parts {GRANT_PART!r} and "
+            f"{GRANT_FILES_PART!r}, not {names}"
+        )  # fmt: skip
+    grant = parse_model(parts[0].data, LeaseGrant)
+    # (set, not validated: a Base64Bytes field would take base64)
+    return grant.model_copy(update={"files_tar": parts[1].data})
 
 
 def _sandbox_verb(verb: Callable[[Agent, str], Awaitable[Sandbox]]) -> Handler:
@@ -583,6 +604,7 @@ def create_agent_app(agent: Agent) -> web.Application:
     async def lifecycle(app: web.Application) -> AsyncIterator[None]:
         await asyncio.to_thread(agent.protect_state_dir)
         await asyncio.to_thread(agent.snapshots.clear)
+        await asyncio.to_thread(sweep_orphans)
         await runtime.adopt(agent)
         await runtime.refresh_images(agent)  # the first heartbeat already says what it holds
         loops = [
@@ -598,6 +620,7 @@ def create_agent_app(agent: Agent) -> web.Application:
         await agent.settle(within_s=SHUTDOWN_WAIT_S)
         if agent.config.cleanup_on_exit:
             await agent.remove_all()
+            await asyncio.to_thread(agent.resident.close, set(agent.sandboxes))
         await agent.snapshots.close()
         await agent.store.close()
         await agent.audit.close()

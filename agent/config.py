@@ -40,6 +40,12 @@ class AgentConfig(MetricsAccess):
         "(DSEC_NODE_TOKEN) or the pool's join token (DSEC_AGENT_TOKEN)",
     )
     state_dir: Path
+    loops_dir: Path | None = Field(
+        None,
+        description="where the command loops' pipes and scripts go (agent/resident.py); "
+        "None: a directory of the state dir's own under /dev/shm where that is a tmpfs, "
+        "else the state dir. Every command makes and removes four files there",
+    )
     heartbeat_s: float = Field(1.0, gt=0, le=60)
     images_refresh_s: float = Field(10.0, gt=0)
     engine_check_s: float = Field(1.0, gt=0, le=60, description="how often the engine is pinged")

@@ -38,9 +38,13 @@ import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from agent.users import WORKDIR_MODE
+
+if TYPE_CHECKING:
+    from agent.docker_driver import AsyncDocker
+    from agent.sandboxes import Sandbox
 
 T = TypeVar("T")
 KILL_ROUNDS = 100  # rounds of stop-and-kill before a reset gives up on what forks on
@@ -72,6 +76,30 @@ def _in_cgroup_of(pid: int, container_id: str) -> bool:
         return container_id in Path(f"/proc/{pid}/cgroup").read_text()
     except OSError:
         return False
+
+
+def is_init_of(pid: int, container_id: str) -> bool:
+    """Whether process `pid` is the init of container `container_id`: PID 1 of its own
+    PID namespace, in that container's cgroup. A PID kept from the engine's answer is
+    taken again only so: it cannot be another's while it is."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    lines = status.splitlines()
+    nspid = next((line.split()[1:] for line in lines if line.startswith("NSpid:")), [])
+    return len(nspid) > 1 and nspid[-1] == "1" and _in_cgroup_of(pid, container_id)
+
+
+async def container_init(sandbox: Sandbox, docker: AsyncDocker) -> int | None:
+    """The init of the sandbox's container (None: not running): the PID the engine last
+    said while it still is that init, else the engine's answer, kept (an inspect the
+    engine need not make on every reset). Raises DockerOpError."""
+    container_id = sandbox.record.container_id
+    if sandbox.init_pid is not None and is_init_of(sandbox.init_pid, container_id):
+        return sandbox.init_pid
+    sandbox.init_pid = await docker.init_pid(container_id)
+    return sandbox.init_pid
 
 
 def open_in_container(pid: int, container_id: str) -> int | None:

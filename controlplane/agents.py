@@ -17,7 +17,15 @@ import aiohttp
 from pydantic import BaseModel
 
 from controlplane.identities import Identities
-from dsec.models import CreateSandbox, LeaseEnd, LeaseGrant, ResetSandbox
+from dsec.httpkit import form_body
+from dsec.models import (
+    GRANT_FILES_PART,
+    GRANT_PART,
+    CreateSandbox,
+    LeaseEnd,
+    LeaseGrant,
+    ResetSandbox,
+)
 
 
 @dataclass(frozen=True)
@@ -140,7 +148,15 @@ class HttpAgents:
         timeout = None
         if grant.setup or grant.fork_from:
             timeout = aiohttp.ClientTimeout(total=grant.setup_timeout_s + self.timeout_s)
-        return await self._call(node, "POST", url, grant, grant.request_id, timeout)
+        body: LeaseGrant | aiohttp.MultipartWriter = grant
+        if grant.files_tar:  # its bytes as they are, not in base64 JSON
+            body = form_body(
+                [
+                    (GRANT_PART, None, grant.model_dump_json(exclude={"files_tar"})),
+                    (GRANT_FILES_PART, None, grant.files_tar),
+                ]
+            )
+        return await self._call(node, "POST", url, body, grant.request_id, timeout)
 
     async def pause(self, node: AgentAddress, sandbox_id: str) -> CallResult:
         return await self._verb(node, sandbox_id, "pause")
@@ -179,7 +195,7 @@ class HttpAgents:
         node: AgentAddress,
         method: str,
         url: str,
-        body: BaseModel | None,
+        body: BaseModel | aiohttp.MultipartWriter | None,
         request_id: str,
         timeout: aiohttp.ClientTimeout | None = None,  # the session's (timeout_s) if None
     ) -> CallResult:
@@ -188,10 +204,12 @@ class HttpAgents:
             "Authorization": f"Bearer {self.identities.call_token(node.id)}",
             "X-Request-Id": request_id,
         }
-        data = None
-        if body is not None:
+        data: str | aiohttp.MultipartWriter | None = None
+        if isinstance(body, BaseModel):
             data = body.model_dump_json()
             headers["Content-Type"] = "application/json"
+        elif body is not None:
+            data = body  # (a form says its own type)
         try:
             async with self.http.request(
                 method, url, data=data, headers=headers, timeout=timeout or self.http.timeout

@@ -17,6 +17,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 
 from controlplane.agents import AgentClient, HttpAgents
+from controlplane.claims import MAX_TAR_MEMBERS, acquire_of_form
 from controlplane.cloud import CloudProvider
 from controlplane.config import ControlPlaneConfig
 from controlplane.identities import Identities, check_agent_url
@@ -28,6 +29,8 @@ from controlplane.view import NodeEntry, SandboxEntry
 from dsec.addresses import is_loopback, is_loopback_address, unroutable
 from dsec.clock import Clock
 from dsec.httpkit import (
+    FORM_TYPE,
+    MAX_BODY_BYTES,
     Api,
     ApiError,
     bearer_token,
@@ -38,6 +41,7 @@ from dsec.httpkit import (
     parse_json,
     parse_model,
     read_body,
+    read_form,
     read_model,
     require_token,
     sandbox_id_param,
@@ -115,8 +119,14 @@ async def acquire(request: web.Request) -> web.Response:
     raw = b""
     try:
         _client(request)
-        raw = await read_body(request, body_limit_with_files(s.config.max_claim_files_bytes))
-        body = parse_model(raw or b"{}", AcquireRequest)
+        if request.content_type == FORM_TYPE:
+            parts = await read_form(
+                request, MAX_BODY_BYTES + s.config.max_claim_files_bytes, MAX_TAR_MEMBERS + 1
+            )
+            raw, body = acquire_of_form(parts)
+        else:
+            raw = await read_body(request, body_limit_with_files(s.config.max_claim_files_bytes))
+            body = parse_model(raw or b"{}", AcquireRequest)
         if body.pool in s.config.pools:
             pool = body.pool
         lease = await s.leases.acquire(body, client_id(bearer_token(request)))

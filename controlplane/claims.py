@@ -3,23 +3,37 @@ the acquire is made and before any sandbox is taken, and carried to the node in 
 lease's grant. The node applies them to the warm sandbox it hands out (agent/node.py,
 `Agent.lease`) before it answers, so the claim stays a warm hit.
 
-Files come as {path: bytes} or as a tar; either way the node gets one uncompressed tar
-whose every member lands in the template's work dir. A compressed tar is refused: its
-names could only be checked by unpacking it here.
+Files come as {path: bytes} or as a tar, in the acquire's JSON (base64) or as parts of a
+multipart/form-data acquire (their bytes as they are: docs/contracts.md); either way the
+node gets one uncompressed tar whose every member lands in the template's work dir, sent
+as a part of the grant's own form. A compressed tar is refused: its names could only be
+checked by unpacking it here.
 """
 
 from __future__ import annotations
 
-import base64
 import io
 import posixpath
 import tarfile
 from dataclasses import dataclass
+from urllib.parse import unquote
 
-from dsec.httpkit import ApiError
-from dsec.models import AcquireRequest, ForkSource, TemplateSpec
+from pydantic import TypeAdapter, ValidationError
+
+from dsec.httpkit import ApiError, FormPart, parse_model
+from dsec.models import (
+    ACQUIRE_FILE_PART,
+    ACQUIRE_PART,
+    ACQUIRE_TAR_PART,
+    AcquireRequest,
+    ClaimPath,
+    ForkSource,
+    LeaseGrant,
+    TemplateSpec,
+)
 
 MAX_TAR_MEMBERS = 100_000
+_FILE_PATHS = TypeAdapter(dict[ClaimPath, bytes])
 
 
 @dataclass(frozen=True)
@@ -32,19 +46,48 @@ class Personal:
     timeout_s: float  # the acquire's: its setup ends by then
     fork_from: ForkSource | None = None  # a fork's: where its node reads the copy
 
-    def grant_fields(self, waited_s: float) -> dict:
-        """The LeaseGrant's fields for this claim, after the acquire waited `waited_s`.
-        Its setup ends a little before the acquire's time does (a fifth of what is left,
-        2 s at most), so that a setup that overran is answered as one, not as a timeout."""
+    def applied_to(self, grant: LeaseGrant, waited_s: float) -> LeaseGrant:
+        """`grant` carrying this claim, after the acquire waited `waited_s`. Its setup
+        ends a little before the acquire's time does (a fifth of what is left, 2 s at
+        most), so that a setup that overran is answered as one, not as a timeout."""
         left = self.timeout_s - waited_s
-        return {
-            "env": self.env,
-            # (a Base64Bytes field takes base64, even from Python)
-            "files_tar": base64.b64encode(self.files_tar) if self.files_tar else None,
-            "setup": self.setup,
-            "fork_from": self.fork_from,
-            "setup_timeout_s": max(0.001, left - min(2.0, left / 5)),
-        }
+        # (a copy that sets, not validates: checked here already, and the tar as bytes,
+        # where validation of a Base64Bytes field would take base64)
+        return grant.model_copy(
+            update={
+                "env": self.env,
+                "files_tar": self.files_tar,
+                "setup": self.setup,
+                "fork_from": self.fork_from,
+                "setup_timeout_s": max(0.001, left - min(2.0, left / 5)),
+            }
+        )
+
+
+def acquire_of_form(parts: list[FormPart]) -> tuple[bytes, AcquireRequest]:
+    """A multipart acquire's JSON request and the request with its files: the first
+    part is the request (without `files`), then either a `file` part per file (its
+    filename the path) or one `tar` part. A 422 says what is wrong with the parts."""
+    if not parts or parts[0].name != ACQUIRE_PART:
+        raise _refused("form", f"the first part must be {ACQUIRE_PART!r}, the request's JSON")
+    raw = parts[0].data
+    body = parse_model(raw, AcquireRequest)
+    rest = parts[1:]
+    if not rest:
+        return raw, body
+    if body.files is not None:
+        raise _refused("files", "given in the request's JSON and as parts: give them once")
+    if len(rest) == 1 and rest[0].name == ACQUIRE_TAR_PART:
+        return raw, body.model_copy(update={"files": rest[0].data})
+    if any(p.name != ACQUIRE_FILE_PART or not p.filename for p in rest):
+        expected = f"a {ACQUIRE_FILE_PART!r} part per file (its filename the path)"
+        raise _refused("form", f"after the request: {expected}, or one {ACQUIRE_TAR_PART!r} part")
+    try:
+        # (a filename is percent-encoded, as RFC 7578 lets a client send one)
+        files = _FILE_PATHS.validate_python({unquote(p.filename): p.data for p in rest})
+    except ValidationError as e:
+        raise _refused("files", f"a file's path is invalid: {e.errors()[0]['msg']}") from e
+    return raw, body.model_copy(update={"files": files})
 
 
 def personal_of(

@@ -100,7 +100,6 @@ class Leases:
             and self.view.vouched_warm(entry, now)
         )
         lease_id = new_lease_id()
-        personal = req.personal.grant_fields(now - req.arrived_at) if req.personal else {}
         grant = LeaseGrant(
             lease_id=lease_id,
             pool=req.pool,
@@ -111,8 +110,9 @@ class Leases:
             grant_proof=self.identities.grant_proof(
                 entry.node, entry.id, lease_id, req.owner, req.idempotency_key, req.pool
             ),
-            **personal,
         )
+        if req.personal is not None:
+            grant = req.personal.applied_to(grant, now - req.arrived_at)
         self.view.move(entry, SandboxState.LEASED, now)
         self.view.set_pool(entry, req.pool)  # a higher-priority pool may have taken it over
         entry.granted(grant, self._token_deadline(req.pool), now)
@@ -121,14 +121,25 @@ class Leases:
             self.metrics.scale_events.labels(entry.pool, "thaw").inc()
 
         async def run() -> None:
-            if req.scoped_key:  # on disk first: a restart mid-call still knows the key's
-                await self.held_keys.add(req.scoped_key, entry.id)
-            served = at_once and not req.done.done()
-            if served:
-                self._serve(entry, req, action.path, self.clock.now())
-            asked = self.clock.now()
-            result = await self.actuator.call(entry, self.actuator.agents.lease, entry.id, grant)
-            if req.personal is not None:
+            # a personalised claim is work its node does while the client waits: the next
+            # one is claimed on a node that does less (dsec/policy.py, NodeSnap.applying)
+            applying = req.personal is not None
+            if applying:
+                self.view.applying(entry.node, +1)
+            try:
+                if req.scoped_key:  # on disk first: a restart mid-call still knows the key's
+                    await self.held_keys.add(req.scoped_key, entry.id)
+                served = at_once and not req.done.done()
+                if served:
+                    self._serve(entry, req, action.path, self.clock.now())
+                asked = self.clock.now()
+                result = await self.actuator.call(
+                    entry, self.actuator.agents.lease, entry.id, grant
+                )
+            finally:
+                if applying:
+                    self.view.applying(entry.node, -1)
+            if applying:
                 req.setup_ms = (self.clock.now() - asked) * 1000
             self._on_leased(entry, req, action.path, result, served)
 

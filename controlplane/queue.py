@@ -60,6 +60,7 @@ class PendingRequest:
                 frozenset(self.refused_by),
                 self.template_refusal,
                 self.spread,
+                self.personal is not None,
             )
             made = self._snap = (len(self.refused_by), self.template_refusal, request)
         return made[2]

@@ -274,6 +274,7 @@ class ClusterView:
         self.by_state: dict[SandboxState, dict[str, SandboxEntry]] = {s: {} for s in SandboxState}
         self._used: dict[str, list[float]] = {}  # node -> [cpus, memory_mb, slots] occupied
         self._creating: dict[str, int] = {}  # node -> creates under way
+        self._applying: dict[str, int] = {}  # node -> personalised claims being applied
         self._by_node: dict[str, dict[str, SandboxEntry]] = {}  # of any state
         # (pool, node kind) -> occupying sandboxes; (pool, template) -> leased ones
         self.occupying: dict[tuple[str, str], int] = {}
@@ -306,6 +307,11 @@ class ClusterView:
         if entry.state in ASSIGNED:
             key = (entry.pool, entry.template)
             self.assigned[key] = self.assigned.get(key, 0) + sign
+
+    def applying(self, node_id: str, change: int) -> None:
+        """A personalised claim's grant sent to `node_id` (+1), or answered (-1)."""
+        self._applying[node_id] = self._applying.get(node_id, 0) + change
+        self._dirty_nodes.setdefault(node_id)
 
     def add(self, entry: SandboxEntry) -> None:
         self.sandboxes[entry.id] = entry
@@ -657,6 +663,7 @@ class ClusterView:
                 creating=self._creating.get(n.id, 0),
                 create_limit=n.create_limit,
                 draining=n.draining or n.drain_requested,
+                applying=self._applying.get(n.id, 0),
             )
         self._dirty_nodes.clear()
         return tuple(self._node_snaps.values())

@@ -37,7 +37,11 @@ from urllib.parse import quote
 import aiohttp
 from pydantic import BaseModel
 
+from dsec.httpkit import form_body
 from dsec.models import (
+    ACQUIRE_FILE_PART,
+    ACQUIRE_PART,
+    ACQUIRE_TAR_PART,
     INFRA_FAULTS,
     MAX_STREAM_OUTPUT_BYTES,
     AcquireRequest,
@@ -726,17 +730,19 @@ class Client:
         method: str,
         url: str,
         answer: type[M],
-        body: BaseModel | None = None,
+        body: BaseModel | aiohttp.MultipartWriter | None = None,
         *,
         token: str | None = None,
         timeout: float = 60.0,
         headers: dict[str, str] | None = None,
     ) -> M:
         headers = dict(headers or {})
-        data = None
-        if body is not None:
+        data: str | aiohttp.MultipartWriter | None = None
+        if isinstance(body, BaseModel):
             data = body.model_dump_json(exclude_none=True)
             headers["Content-Type"] = "application/json"
+        elif body is not None:
+            data = body  # (a form says its own type)
         for wait_s in (*NOT_JOINED_RETRIES_S, None):
             try:
                 async with self._request(
@@ -773,15 +779,7 @@ class Client:
         uncompressed tar's bytes) and `setup` (argv) make it the caller's own before it
         is answered, and it is still a warm one (docs/contracts.md, "Personalised
         claims"). A failed setup raises DsecError 422 `setup_failed` with its output."""
-        # (Base64Bytes fields take base64, from Python too)
-        encoded: dict[str, bytes] | bytes | None = (
-            {path: base64.b64encode(data) for path, data in files.items()}
-            if isinstance(files, dict)
-            else base64.b64encode(files)
-            if files
-            else None
-        )
-        body = AcquireRequest(
+        request = AcquireRequest(
             pool=pool,
             template=template,
             priority=priority,
@@ -789,9 +787,19 @@ class Client:
             idempotency_key=idempotency_key or uuid.uuid4().hex,
             labels=labels or {},
             env=env or {},
-            files=encoded,
             setup=setup,
         )
+        # files go as a form's parts, their bytes as they are (no base64 on any hop)
+        body: AcquireRequest | aiohttp.MultipartWriter = request
+        if files:
+            parts = (
+                [(ACQUIRE_FILE_PART, path, data) for path, data in files.items()]
+                if isinstance(files, dict)
+                else [(ACQUIRE_TAR_PART, None, files)]
+            )
+            body = form_body(
+                [(ACQUIRE_PART, None, request.model_dump_json(exclude_none=True)), *parts]
+            )
         for attempt in range(self.acquire_retries + 1):
             try:
                 lease = await self._call(

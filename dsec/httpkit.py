@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+import aiohttp
 from aiohttp import web
 from pydantic import BaseModel, Field, ValidationError
 from pydantic.json_schema import models_json_schema
@@ -199,6 +200,62 @@ async def body_chunks(request: web.Request, size: int) -> AsyncIterator[bytes]:
         if not chunk:
             return
         yield chunk
+
+
+FORM_TYPE = "multipart/form-data"
+# a form's parts are read this much at a time: a part of a few MiB in a few steps
+FORM_CHUNK = 256 * 1024
+
+
+@dataclass(frozen=True)
+class FormPart:
+    name: str | None
+    filename: str | None
+    data: bytes
+
+
+def form_body(parts: Iterable[tuple[str, str | None, bytes | str]]) -> aiohttp.MultipartWriter:
+    """A multipart/form-data body of (name, filename, data) parts: a str part is JSON, a
+    bytes part is sent as it is (no base64: a claim's files and a grant's tar)."""
+    form = aiohttp.MultipartWriter("form-data")
+    for name, filename, data in parts:
+        if isinstance(data, str):
+            part = form.append(data, {"Content-Type": "application/json"})
+        else:
+            part = form.append(data, {"Content-Type": "application/octet-stream"})
+        names = {"name": name} if filename is None else {"name": name, "filename": filename}
+        part.set_content_disposition("form-data", **names)
+    return form
+
+
+async def read_form(request: web.Request, max_bytes: int, max_parts: int) -> list[FormPart]:
+    """A multipart/form-data body's parts whole, read within BODY_TIMEOUT_S, or an
+    ApiError: 413 past `max_bytes` of data or `max_parts` parts, 400 if not a form."""
+    parts: list[FormPart] = []
+    size = 0
+    try:
+        async with asyncio.timeout(BODY_TIMEOUT_S):
+            reader = await request.multipart()
+            while (part := await reader.next()) is not None:
+                if not isinstance(part, aiohttp.BodyPartReader):
+                    raise ApiError(400, "malformed_form", "a form's part may not be a form")
+                if len(parts) == max_parts:
+                    raise ApiError(413, "body_too_large", f"more than {max_parts} parts")
+                data = bytearray()
+                while chunk := await part.read_chunk(FORM_CHUNK):
+                    size += len(chunk)
+                    if size > max_bytes:
+                        raise ApiError(
+                            413, "body_too_large", f"the form's parts are over {max_bytes} bytes"
+                        )
+                    data += chunk
+                parts.append(FormPart(part.name, part.filename, bytes(data)))
+    except TimeoutError as e:
+        raise ApiError(408, "body_timeout", f"request body not read in {BODY_TIMEOUT_S:g} s") from e
+    except (ValueError, AssertionError, aiohttp.ClientPayloadError) as e:
+        # (aiohttp's reader says a malformed form so: a boundary, a header, an end)
+        raise ApiError(400, "malformed_form", f"request body is not a valid form: {e}") from e
+    return parts
 
 
 def model_response(obj: BaseModel, status: int = 200) -> web.Response:

@@ -120,6 +120,11 @@ def validation_details(e: ValidationError) -> list[dict]:
 # --- client <-> control plane --------------------------------------------
 
 
+# A multipart/form-data acquire's parts (docs/contracts.md): the request's JSON without
+# `files`, then a part per file (its filename the path) or one tar, bytes as they are
+ACQUIRE_PART, ACQUIRE_FILE_PART, ACQUIRE_TAR_PART = "request", "file", "tar"
+
+
 class AcquireRequest(Wire):
     pool: Name = "default"
     template: Name = "base"
@@ -851,6 +856,11 @@ class CreateSandbox(Wire):
     for_request: bool = Field(
         False, description="a client waits for it: the agent runs it before warm-pool creates"
     )
+
+
+# A grant with files goes to its agent as a form of two parts: the grant's JSON without
+# `files_tar`, then the tar as it is
+GRANT_PART, GRANT_FILES_PART = "grant", "files"
 
 
 class LeaseGrant(Wire):

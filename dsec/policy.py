@@ -117,6 +117,9 @@ class NodeSnap:
     # more are not placed there, so each create finishes as soon as the engine allows
     create_limit: int = 1 << 30
     draining: bool = False  # rule 9: no placements, its idle sandboxes removed
+    # personalised claims its agent is applying (their files, setup or fork copy): work on
+    # its one event loop that the client waits for, so another such claim goes elsewhere
+    applying: int = 0
 
 
 @dataclass(frozen=True)
@@ -169,6 +172,9 @@ class RequestSnap:
     # docs/contracts.md "Fork"): each is claimed a free sandbox on the node holding the
     # fewest of its group in this decision
     spread: str | None = None
+    # a personalised claim (docs/contracts.md): its node applies it before the answer, so
+    # it takes a free sandbox on the node applying the fewest claims
+    personal: bool = False
 
 
 @dataclass(frozen=True)
@@ -505,6 +511,8 @@ class _Decision:
         self._lenders: dict[str, list[str]] = {}
         # spread group -> node -> claims made for it in this decision
         self.spread_nodes: dict[str, dict[str, int]] = {}
+        # node -> personalised claims it is applying, this decision's included
+        self._applying: dict[str, int] | None = None
         # unassigned sandboxes by (pool, template) and state, oldest first
         self.free: dict[tuple[str, str, SandboxState], list[SandboxSnap]] = {}
         # creates under way per (pool, template); each waiting request served in this
@@ -616,20 +624,35 @@ class _Decision:
         return self._lenders[pool]
 
     def take(
-        self, pool: str, template: str, state: SandboxState, spread: str | None = None
+        self, pool: str, template: str, state: SandboxState, req: RequestSnap | None = None
     ) -> SandboxSnap | None:
         """The oldest free sandbox; for a request of a `spread` group, the oldest on the
-        node that holds the fewest of that group's claims so far."""
+        node that holds the fewest of that group's claims so far; for a personalised
+        one, then on the node applying the fewest claims."""
         free = self.free.get((pool, template, state))
         if not free:
             return None
-        if spread is None:
+        if req is None or not (req.spread or req.personal):
             return free.pop(0)
-        held = self.spread_nodes.setdefault(spread, {})
-        at = min(range(len(free)), key=lambda i: (held.get(free[i].node, 0), i))
+        held = self.spread_nodes.setdefault(req.spread, {}) if req.spread else {}
+        applying = self.applying if req.personal else {}
+        at = min(
+            range(len(free)),
+            key=lambda i: (held.get(free[i].node, 0), applying.get(free[i].node, 0), i),
+        )
         sb = free.pop(at)
-        held[sb.node] = held.get(sb.node, 0) + 1
+        if req.spread:
+            held[sb.node] = held.get(sb.node, 0) + 1
+        if req.personal:
+            applying[sb.node] = applying.get(sb.node, 0) + 1
         return sb
+
+    @property
+    def applying(self) -> dict[str, int]:
+        """Built on first use: most decisions claim nothing personalised."""
+        if self._applying is None:
+            self._applying = {n.id: n.applying for n in self.snap.nodes if n.applying}
+        return self._applying
 
     # 1 ---------------------------------------------------------------------------
     def serve_queue(self) -> None:
@@ -655,7 +678,7 @@ class _Decision:
         """Hand `req` a free sandbox, or one of the creates under way; False if neither."""
         key = (req.pool, req.template)
         for state, path in CLAIM_TIERS:
-            sb = self.take(req.pool, req.template, state, req.spread)
+            sb = self.take(req.pool, req.template, state, req)
             if sb is not None:
                 if sb.since > req.arrived_at or sb.reserved_for == req.id:  # made for it
                     path = "overflow" if self._on_cloud(sb) else "cold"
@@ -663,7 +686,7 @@ class _Decision:
                 return True
         for state, path in CLAIM_TIERS[:2]:  # idle or frozen, never busy
             for lender in self.lenders_to(req.pool):
-                sb = self.take(lender, req.template, state)
+                sb = self.take(lender, req.template, state, req)
                 if sb is not None:
                     reason = f"taken from lower-priority pool {lender} ({state})"
                     self._claim(req, sb, path, reason)

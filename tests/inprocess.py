@@ -147,6 +147,8 @@ def joined_agent(
     (an IdleEngine unless given); `config` sets other fields of the agent's
     configuration."""
     config.setdefault("agent_token", new_token())
+    # its loops beside its state, not in the host's /dev/shm: it is dropped, not stopped
+    config.setdefault("loops_dir", state_dir)
     settings = AgentConfig(node_id=node_id, state_dir=state_dir, **config)
     agent = Agent(settings, engine or IdleEngine(), SystemClock(), AgentMetrics(node_id))  # type: ignore[arg-type]
     agent.identity = (identities or Identities(new_token(), new_token())).issue(node_id)

@@ -16,7 +16,7 @@ import pytest
 from conftest import pool_containers
 
 from controlplane.config import MAX_CLAIM_FILES_BYTES
-from dsec.httpkit import body_limit_with_files
+from dsec.httpkit import body_limit_with_files, form_body
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -132,6 +132,57 @@ async def test_oversize_body(controlplane_app, app_acquire_url):
     too_large = body_limit_with_files(MAX_CLAIM_FILES_BYTES) + 1
     got, body = await call("POST", app_acquire_url, token, data=b"x" * too_large)
     assert_error(got, body, 413, "body_too_large")
+
+
+# a multipart acquire (docs/contracts.md, "Personalised claims"): files as parts
+REQUEST = ("request", None, "{}")
+
+
+@pytest.mark.parametrize(
+    ("parts", "status", "code", "says"),
+    [
+        ([("file", "a.txt", b"hi")], 422, "validation_error", "first part must be 'request'"),
+        ([("request", None, "{not json")], 400, "malformed_json", "not valid JSON"),
+        ([("request", None, '{"pool": "nope"}')], 422, "unknown_pool", "nope"),
+        (
+            [("request", None, '{"files": {"a": "aGk="}}'), ("file", "b", b"hi")],
+            422,
+            "validation_error",
+            "give them once",
+        ),
+        ([REQUEST, ("file", None, b"hi")], 422, "validation_error", "filename"),
+        ([REQUEST, ("tar", None, b"x"), ("tar", None, b"y")], 422, "validation_error", "one 'tar'"),
+        ([REQUEST, ("file", "../up", b"hi")], 422, "path_outside_workdir", "../up"),
+        ([REQUEST, ("file", "/etc/passwd", b"hi")], 422, "path_outside_workdir", "/etc/passwd"),
+        ([REQUEST, ("file", "a\x00b", b"hi")], 422, "validation_error", "path is invalid"),
+        ([REQUEST, ("tar", None, tar_of("../evil"))], 422, "path_outside_workdir", "../evil"),
+        ([REQUEST, ("tar", None, b"not a tar")], 422, "validation_error", "not an uncompressed"),
+    ],
+)
+async def test_bad_acquire_forms(controlplane_app, app_acquire_url, parts, status, code, says):
+    token = controlplane_app.tokens.client
+    got, body = await call("POST", app_acquire_url, token, data=form_body(parts))
+    assert_error(got, body, status, code)
+    assert says in json.dumps(body["error"]), body
+
+
+async def test_a_form_past_the_claim_limit_is_refused_without_being_read_whole(
+    controlplane_app, app_acquire_url
+):
+    token = controlplane_app.tokens.client
+    files = [("file", f"f{i}", b"x" * (MAX_CLAIM_FILES_BYTES // 2)) for i in range(2)]
+    got, body = await call(
+        "POST", app_acquire_url, token, data=form_body([REQUEST, *files, ("file", "g", b"y")])
+    )
+    assert_error(got, body, 422, "files_too_large")
+    past_body = [("file", f"f{i}", b"x" * (MAX_CLAIM_FILES_BYTES // 2)) for i in range(4)]
+    got, body = await call("POST", app_acquire_url, token, data=form_body([REQUEST, *past_body]))
+    assert_error(got, body, 413, "body_too_large")
+    broken = b"--b\r\nContent-Disposition: form-data; name=request\r\n\r\n{}"  # no end
+    headers = {"Authorization": f"Bearer {token}", "Content-Type": "multipart/form-data"}
+    async with aiohttp.ClientSession() as http:
+        async with http.post(app_acquire_url, data=broken, headers=headers) as resp:
+            assert_error(resp.status, await resp.json(), 400, "malformed_form")
 
 
 @pytest.mark.parametrize(

@@ -4,17 +4,19 @@ setup that fails fails the acquire with its output and removes the sandbox."""
 
 from __future__ import annotations
 
+import base64
 import io
 import tarfile
 
+import aiohttp
 import pytest
 import pytest_asyncio
 from conftest import eventually, make_spec, started_pool
 
 from agent.docker_driver import LABEL_SANDBOX
 from controlplane.config import MAX_CLAIM_FILES_BYTES
-from dsec.client import Client, DsecError
-from dsec.models import PoolParams
+from dsec.client import Client, DsecError, Sandbox
+from dsec.models import Lease, PoolParams
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -64,6 +66,28 @@ async def test_files_are_in_the_work_dir_before_the_answer_as_the_sandbox_s_user
         owner = await out(sb, "stat -c '%u %a' /work/src/app.py; id -u")
         file_uid, mode, uid = owner.split()
         assert (file_uid, mode) == (uid, "644")
+
+
+async def test_files_in_base64_json_and_as_a_form_s_parts_are_the_same_bytes(pool, client):
+    """The SDK sends a claim's files as a form's parts, bytes as they are; an acquire in
+    JSON gives them in base64. Both land the same, whatever the path's characters."""
+    await warm_pool(client)
+    files = {'d i r/naïve %41 "q";x.bin': bytes(range(256)) * 3, "b.txt": b"b\n"}
+    async with client.sandbox(files=files) as sb:
+        for path, data in files.items():
+            assert await sb.files.read(f"/work/{path}") == data, path
+    body = {"files": {path: base64.b64encode(data).decode() for path, data in files.items()}}
+    headers = {"Authorization": f"Bearer {pool.tokens.client}"}
+    async with aiohttp.ClientSession() as http:
+        async with http.post(f"{pool.url}/v1/sandboxes", json=body, headers=headers) as resp:
+            assert resp.status == 201, await resp.text()
+            lease = Lease.model_validate(await resp.json())
+    sb = Sandbox(client, lease)
+    try:
+        for path, data in files.items():
+            assert await sb.files.read(f"/work/{path}") == data, path
+    finally:
+        await sb.release()
 
 
 async def test_a_tar_is_unpacked_into_the_work_dir(client):

@@ -45,9 +45,10 @@ from controlplane.identities import Identities
 from controlplane.spent import KeyLog
 from dsec.cli import build_parser, main
 from dsec.client import Client
+from dsec.httpkit import form_body
 from dsec.image import BASE_IMAGE
 from dsec.launch.local import LocalPool, Tokens, write_env_file
-from dsec.models import PoolParams, TemplateSpec
+from dsec.models import LeaseGrant, PoolParams, TemplateSpec
 from dsec.processes import is_credential
 from dsec.states import SandboxState
 from dsec.tokens import NO_EXPIRY, lease_token, new_token
@@ -447,6 +448,28 @@ async def test_refused_credentials_leave_an_audit_record_with_the_callers_addres
     assert len(on_sandbox["records"]) == 4
     written = b"".join(p.read_bytes() for p in tmp_path.glob("n1-audit.jsonl*"))
     assert stranger.encode() not in written and lease.encode() not in written
+
+
+async def test_a_grant_s_form_other_than_the_grant_then_its_files_is_refused(tmp_path):
+    """The control plane sends a claim's files as a form's second part, bytes as they
+    are; any other form is refused before a sandbox is touched."""
+    async with inprocess_agent(tmp_path) as a:
+        lease_a_sandbox(a.agent, SandboxState.WARM)
+        grant = LeaseGrant(lease_id=LEASE, pool="default", request_id="r1").model_dump_json()
+        operator = bearer(a.agent.identity.call_token)
+        for parts, status, says in [
+            ([("files", None, b"x")], 422, "not ['files']"),
+            ([("grant", None, grant)], 422, "not ['grant']"),
+            ([("grant", None, grant), ("files", None, b"x"), ("more", None, b"y")], 413, "2 parts"),
+            ([("grant", None, "{no"), ("files", None, b"x")], 400, "not valid JSON"),
+        ]:
+            resp = await a.http.post(
+                f"/v1/sandboxes/{SID}/lease", data=form_body(parts), headers=operator
+            )
+            answer = await resp.json()
+            assert (resp.status, says in answer["error"]["message"]) == (status, True), answer
+        assert a.agent.sandboxes[SID].state == SandboxState.WARM
+        assert a.agent.sandboxes[SID].record.lease_id is None
 
 
 async def test_the_agent_rotates_its_audit_log_as_configured(tmp_path):

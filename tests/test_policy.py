@@ -225,6 +225,27 @@ def test_a_fork_s_requests_are_spread_over_the_nodes_holding_warm_sandboxes():
     assert sorted(got[:3]) == ["n1", "n2", "n3"] and len(set(got[3:])) >= 2
 
 
+def test_a_personalised_claim_goes_to_the_node_applying_the_fewest():
+    # n1 holds the oldest warm sandboxes but applies two claims already; n3 one
+    nodes = [node("n1", applying=2), node("n2"), node("n3", applying=1)]
+    warm = [sandbox(f"a{i}", S.WARM, node="n1", since=NOW - 90 + i) for i in range(4)]
+    warm += [sandbox(f"b{i}", S.WARM, node="n2", since=NOW - 50 + i) for i in range(2)]
+    warm += [sandbox(f"c{i}", S.WARM, node="n3", since=NOW - 40 + i) for i in range(2)]
+
+    def claimed(reqs) -> list[tuple[str, str]]:
+        actions = decide(snap(nodes, warm, reqs), {"p": params()}, NOW)
+        return [(c.request_id, c.sandbox_id) for c in of(actions, Claim)]
+
+    personal = [request(f"q{i}", arrived_at=NOW - 1 + i / 10, personal=True) for i in range(5)]
+    # each on the node applying the fewest, this decision's claims counted (n2 at 0; then
+    # n2 and n3 at 1: the older sandbox; n2 has none left; n1 and n3 at 2: the older),
+    # the oldest sandbox of that node
+    assert claimed(personal) == [("q0", "b0"), ("q1", "b1"), ("q2", "c0"), ("q3", "a0"),
+                                 ("q4", "c1")]  # fmt: skip
+    # a plain claim takes the oldest, whatever its node does
+    assert claimed([request("plain", arrived_at=NOW - 1)]) == [("plain", "a0")]
+
+
 def test_a_sandbox_made_after_the_request_arrived_counts_as_cold():
     fresh = sandbox("w", S.WARM, since=NOW - 0.05)  # a scale-up create, ready just now
     actions = decide(snap(sandboxes=[fresh], requests=[request("a", arrived_at=NOW - 1)]),

@@ -231,7 +231,7 @@ def leased_agent(tmp_path, docker: FakeDocker, state: S = S.LEASED):
     from agent.store import SandboxRecord
     from dsec.clock import SystemClock
 
-    config = AgentConfig(node_id="n1", agent_token="t" * 16, state_dir=tmp_path)
+    config = AgentConfig(node_id="n1", agent_token="t" * 16, state_dir=tmp_path, loops_dir=tmp_path)
     agent = Agent(config, docker, SystemClock(), AgentMetrics("n1"))  # type: ignore[arg-type]
     spec = TemplateSpec(name="base", image=BASE_IMAGE, recyclable=True)
     record = SandboxRecord(

@@ -177,6 +177,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
             # its own node token, or the pool's join token (controlplane/identities.py)
             agent_token=env_token("DSEC_NODE_TOKEN", "DSEC_AGENT_TOKEN"),
             state_dir=args.state_dir,
+            loops_dir=args.loops_dir,
             heartbeat_s=args.heartbeat_s,
             cleanup_on_exit=args.cleanup_on_exit,
             execs_per_sandbox=args.execs_per_sandbox,
@@ -387,6 +388,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     ag.add_argument("--memory-mb", type=int, default=65536)
     ag.add_argument("--slots", type=int, default=64)
     ag.add_argument("--state-dir", type=Path, default=DEFAULT_STATE_DIR)
+    ag.add_argument(
+        "--loops-dir",
+        type=Path,
+        help="where the command loops' pipes and scripts go, best a tmpfs (default: a "
+        "directory of the state dir's own under /dev/shm, else the state dir)",
+    )
     ag.add_argument("--heartbeat-s", type=float, default=1.0)
     ag.add_argument(
         "--cleanup-on-exit",
