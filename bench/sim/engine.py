@@ -218,7 +218,12 @@ async def _simulate(loop: VirtualTimeLoop, episodes: list[Episode], **o) -> RunR
 
     await agents.start()
     ticking = asyncio.ensure_future(ticks.run_forever())
-    beating = asyncio.ensure_future(agents.heartbeat_forever(scheduler.on_report, o["heartbeat_s"]))
+    # a heartbeat at most every half timeout: the simulated agents are never late
+    beating = asyncio.ensure_future(
+        agents.heartbeat_forever(
+            scheduler.on_report, o["heartbeat_s"], config.heartbeat_timeout_s / 2
+        )
+    )
     await settle()
     started_at[0] = clock.now()
     warm_up = _accounts(metrics)  # the pool's own accounting counts from here, as live
