@@ -96,7 +96,7 @@ class ReportedSandboxes:
 class ReportSequence:
     """The reporting side of delta heartbeats, for one incarnation: numbers its reports
     and knows which report last changed each sandbox's row. The simulator's agents use
-    it too (bench/sim/agents.py)."""
+    it too (bench/sim/agents.py), telling it only what changed (`next_changes`)."""
 
     def __init__(self, full_every: int = FULL_REPORT_EVERY) -> None:
         self.full_every = full_every
@@ -106,35 +106,70 @@ class ReportSequence:
         self._last_full = 0
         self._rows: dict[str, tuple[SandboxRow, int]] = {}  # id -> (row, report it changed in)
         self._removed: dict[str, int] = {}  # id -> the first report without it
+        # the rows changed since the last acknowledged report (id -> report it changed
+        # in), and each row's place in _rows, which a delta lists them in: a delta costs
+        # what changed, not what the node holds
+        self._changed: dict[str, int] = {}
+        self._places: dict[str, int] = {}
+        self._next_place = 0
 
     def next(self, rows: Iterable[SandboxRow]) -> ReportedSandboxes:
         """The next report of `rows`, every sandbox the node holds now."""
         self.seq += 1
         present = set()
-        known_rows = self._rows  # in locals, as what follows runs per sandbox per report
         for row in rows:
-            sandbox_id = row.id
-            present.add(sandbox_id)
-            known = known_rows.get(sandbox_id)
-            # the same row object is unchanged, and cheaper to tell than an equal one
-            if known is None or (known[0] is not row and known[0] != row):
-                known_rows[sandbox_id] = (row, self.seq)
-                self._removed.pop(sandbox_id, None)  # a failed create's id, made again
+            present.add(row.id)
+            self._note(row)
         for gone in self._rows.keys() - present:
-            del self._rows[gone]
-            self._removed[gone] = self.seq
-        changed = [row for row, at in self._rows.values() if at > self.acked]
+            self._drop(gone)
+        return self._report()
+
+    def next_changes(self, rows: Iterable[SandboxRow], removed: Iterable[str]) -> ReportedSandboxes:
+        """The next report, told only the rows that may have changed since the last one
+        and the ids of the sandboxes gone since (none of them among `rows`)."""
+        self.seq += 1
+        for row in rows:
+            self._note(row)
+        for gone in removed:
+            if gone in self._rows:
+                self._drop(gone)
+        return self._report()
+
+    def _note(self, row: SandboxRow) -> None:
+        sandbox_id = row.id
+        known = self._rows.get(sandbox_id)
+        # the same row object is unchanged, and cheaper to tell than an equal one
+        if known is not None and (known[0] is row or known[0] == row):
+            return
+        if known is None:
+            self._places[sandbox_id] = self._next_place
+            self._next_place += 1
+            self._removed.pop(sandbox_id, None)  # a failed create's id, made again
+        self._rows[sandbox_id] = (row, self.seq)
+        self._changed[sandbox_id] = self.seq
+
+    def _drop(self, sandbox_id: str) -> None:
+        del self._rows[sandbox_id]
+        del self._places[sandbox_id]
+        self._changed.pop(sandbox_id, None)
+        self._removed[sandbox_id] = self.seq
+
+    def _report(self) -> ReportedSandboxes:
+        changed_ids = sorted(
+            (i for i, at in self._changed.items() if at > self.acked), key=self._places.__getitem__
+        )
         removed = [sandbox_id for sandbox_id, at in self._removed.items() if at > self.acked]
         if (
             self.full_wanted
             or not self.acked
             or self.seq - self._last_full >= self.full_every
-            or len(changed) + len(removed) >= len(self._rows)
+            or len(changed_ids) + len(removed) >= len(self._rows)
         ):
             self.full_wanted = False
             self._last_full = self.seq
             every = [row for row, _ in self._rows.values()]
             return ReportedSandboxes(self.seq, None, SandboxTable.of(every), [])
+        changed = [self._rows[i][0] for i in changed_ids]
         return ReportedSandboxes(self.seq, self.acked, SandboxTable.of(changed), removed)
 
     def acknowledged(self, ack: ReportAck) -> None:
@@ -143,6 +178,7 @@ class ReportSequence:
         if self.acked < ack.seq <= self.seq:
             self.acked = ack.seq
             self._removed = {i: at for i, at in self._removed.items() if at > ack.seq}
+            self._changed = {i: at for i, at in self._changed.items() if at > ack.seq}
 
     def refused(self) -> None:
         """A report was refused: the control plane may have lost track; start afresh."""

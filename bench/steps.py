@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import random
 
-from dsec.trace import MAX_STEPS_PER_EPISODE, Step
+from dsec.trace import MAX_STEPS_PER_EPISODE, Steps
 
 DEFAULT_MEAN_STEP_S = 30.0
 DEFAULT_EXEC_SHARE = 0.3
@@ -20,7 +20,7 @@ _EXEC_SHARE_CONCENTRATION = 5.0
 
 def split_lifetime(
     rng: random.Random, lifetime_s: float, mean_step_s: float, exec_share: float
-) -> list[Step]:
+) -> Steps:
     """Cut a lifetime into steps whose think and exec times add up to it.
 
     Step lengths are uniform spacings of the lifetime (so some think gaps are long enough for
@@ -29,7 +29,7 @@ def split_lifetime(
     count = max(1, min(MAX_STEPS_PER_EPISODE, round(lifetime_s / mean_step_s)))
     weights = [rng.expovariate(1.0) for _ in range(count)]
     scale = lifetime_s / sum(weights)
-    steps = []
+    thinks, execs = [], []
     for weight in weights:
         length = weight * scale
         if 0 < exec_share < 1:
@@ -37,8 +37,9 @@ def split_lifetime(
             fraction = rng.betavariate(concentration * exec_share, concentration * (1 - exec_share))
         else:
             fraction = exec_share
-        steps.append(Step(think_s=length * (1 - fraction), exec_s=length * fraction))
-    return steps
+        thinks.append(length * (1 - fraction))
+        execs.append(length * fraction)
+    return Steps.rounded(thinks, execs)
 
 
 def require(condition: bool, problem: str) -> None:

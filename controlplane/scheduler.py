@@ -61,6 +61,10 @@ from dsec.states import SandboxState
 
 log = logging.getLogger(__name__)
 
+# how much earlier than its timers' sums a lease is looked at again: far more than the
+# rounding of a subtraction of instants (a lease's times are seconds since a start)
+LEASE_DUE_MARGIN_S = 1e-3
+
 
 class ImageSource(Protocol):
     """Where images come from for nodes that lack them (controlplane/images.py)."""
@@ -107,6 +111,7 @@ class Scheduler:
         self.forks = Forks(config, view, queues, self.leases, agents, clock, metrics)
         self.ticks = 0
         self.leases_looked_at = -math.inf
+        self._lease_timers: dict[str, tuple[float | None, float, float | None]] = {}
         # sends templates' images to the nodes that lack them (the app sets it; None:
         # nothing is sent, and a node serves only the images its engine already holds)
         self.images: ImageSource | None = None
@@ -207,33 +212,47 @@ class Scheduler:
         )
 
     def _lease_due(self, now: float) -> Callable[[SandboxEntry], bool]:
-        """Whether a lease may be due for a freeze or an expiry in its pool."""
+        """Whether a lease may be due for a freeze or an expiry in its pool. One that is
+        not is told when it may be at the earliest (its `lease_not_due_before`): at
+        DSec's scale a look goes through 380,000 leases, nearly none of them due."""
         # each pool's timers read once: this runs on every lease at every look
         timers = {
             name: (p.max_lease_s, p.lease_idle_freeze_s, p.lease_idle_timeout_s)
             for name, p in self.config.pools.items()
         }
+        if timers != self._lease_timers:  # what the leases were told may be wrong now
+            self._lease_timers = timers
+            for state in (SandboxState.LEASED, SandboxState.LEASED_PAUSED):
+                for entry in self.view.by_state[state].values():
+                    entry.lease_not_due_before = -math.inf
 
         def due(entry: SandboxEntry) -> bool:
             pool_timers = timers.get(entry.pool)
             if pool_timers is None:
                 return False
             max_lease_s, freeze_s, timeout = pool_timers
-            if (
-                max_lease_s is not None
-                and entry.leased_at is not None
-                and now - entry.leased_at >= max_lease_s
-            ):
-                return True
+            due_at = math.inf  # the earliest instant it may be due, as it is now
+            if max_lease_s is not None and entry.leased_at is not None:
+                if now - entry.leased_at >= max_lease_s:
+                    return True
+                due_at = entry.leased_at + max_lease_s
             idle_since = entry.idle_since
-            if idle_since is None:  # a command runs: neither idle nor lapsed
-                return False
-            # a frozen lease is not due for a freeze again: left out until it may expire
-            # (otherwise every frozen lease would be in every look's snapshot)
-            if now - idle_since >= freeze_s and entry.state == SandboxState.LEASED:
-                return True
-            active_at = max(idle_since, entry.renewed_at or idle_since)
-            return timeout is not None and now - active_at >= timeout
+            if idle_since is not None:  # else a command runs: neither idle nor lapsed
+                # a frozen lease is not due for a freeze again: left out until it may
+                # expire (otherwise every frozen lease would be in every look's snapshot)
+                if entry.state == SandboxState.LEASED:
+                    if now - idle_since >= freeze_s:
+                        return True
+                    due_at = min(due_at, idle_since + freeze_s)
+                if timeout is not None:
+                    active_at = max(idle_since, entry.renewed_at or idle_since)
+                    if now - active_at >= timeout:
+                        return True
+                    due_at = min(due_at, active_at + timeout)
+            # a little earlier than the sums say: the checks above subtract, and must
+            # decide whenever they would
+            entry.lease_not_due_before = due_at - LEASE_DUE_MARGIN_S
+            return False
 
         return due
 

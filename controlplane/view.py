@@ -132,10 +132,15 @@ class SandboxEntry:
     retired: bool = False
     # what the policy is shown of it, kept from tick to tick while none of that changes
     _snap: SandboxSnap | None = field(default=None, init=False, repr=False, compare=False)
+    # its lease cannot be due for a freeze or an expiry before this instant, as a look
+    # at the leases found (Scheduler._lease_due): later looks pass it by until then, or
+    # until what that was found from changes (a field of the snap, all of it read there)
+    lease_not_due_before: float = field(default=-math.inf, init=False, repr=False, compare=False)
 
     def __setattr__(self, name: str, value: object) -> None:
         if name in _SNAPPED:
             object.__setattr__(self, "_snap", None)
+            object.__setattr__(self, "lease_not_due_before", -math.inf)
         object.__setattr__(self, name, value)
 
     # --- calls to its agent (controlplane/actuator.py): one at a time -----------------
@@ -695,7 +700,10 @@ class ClusterView:
                 snaps += [
                     s.snap()
                     for s in self.by_state[state].values()
-                    if not s.op_in_flight and s.retry_at <= now and lease_due(s)
+                    if now >= s.lease_not_due_before
+                    and not s.op_in_flight
+                    and s.retry_at <= now
+                    and lease_due(s)
                 ]
         if self._not_serving:
             # a node that cannot carry out calls cannot hand out, freeze or remove what it

@@ -159,3 +159,20 @@ def test_a_retry_with_a_shorter_timeout_does_not_cancel_the_first_waiter():
         assert h.on_agents() == {lease.id: S.LEASED}
 
     Harness(nodes=1, pools={"default": COLD}).run(scenario)
+
+
+def test_a_shorter_timeout_set_live_ends_a_lease_a_look_found_not_yet_due():
+    """A look at the leases remembers when each may be due at the earliest, and passes
+    it by until then; a pool's timers changed meanwhile count at once."""
+
+    async def scenario(h: Harness) -> None:
+        lease = await h.acquire()
+        await h.settle(IDLE_TIMEOUT_S / 2)  # looked at: not due for another 15 s
+        assert leased(h) == {lease.id}
+        h.scheduler.set_pool("default", LAPSING.model_copy(update={"lease_idle_timeout_s": 5.0}))
+        changed_at = h.now()
+        await h.settle(IDLE_TIMEOUT_S / 4)
+        [decided_at] = [t for t, a in h.decisions if isinstance(a, ExpireLease)]
+        assert decided_at - changed_at <= 1.0  # due already: the next look ends it
+
+    Harness(pools={"default": LAPSING}).run(scenario)

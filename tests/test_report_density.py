@@ -22,7 +22,7 @@ from conftest import make_spec, started_pool
 from inprocess import inprocess_controlplane
 from pydantic import ValidationError
 
-from agent.report import ReportSequence, sandbox_report
+from agent.report import ReportSequence, sandbox_report, sandbox_row
 from bench.report_scale import NODE, fleet, largest_row, node_report
 from controlplane.view import ClusterView, SandboxEntry
 from dsec.client import Client
@@ -35,6 +35,8 @@ from dsec.models import (
     LeaseGrant,
     NodeReport,
     PoolParams,
+    ReportAck,
+    SandboxRow,
     SandboxTable,
     Usage,
 )
@@ -434,3 +436,27 @@ def test_a_state_no_edge_leads_to_is_ignored_and_the_rest_of_the_report_counts()
     assert ack.seq == 2
     assert view.sandboxes[leased.id].state == SandboxState.LEASED  # not taken
     assert view.sandboxes[paused.id].state == SandboxState.WARM  # taken
+
+
+def test_a_report_told_only_what_changed_is_the_report_of_every_row():
+    """As the simulator reports (ReportSequence.next_changes): the rows that may have
+    changed, some of them unchanged, and the ids gone, give the reports that every row
+    does, whatever answers are lost."""
+    node = Node(seed=7, count=300)
+    every, told = ReportSequence(), ReportSequence()
+    previous: dict[str, SandboxRow] = {}
+    fates = random.Random(8)
+    for _ in range(150):
+        node.step()
+        rows = {s.id: sandbox_row(s) for s in node.sandboxes.values()}
+        may_have_changed = [
+            row for i, row in rows.items() if previous.get(i) != row or fates.random() < 0.05
+        ]
+        gone = [i for i in previous if i not in rows]
+        full, delta = every.next(rows.values()), told.next_changes(may_have_changed, gone)
+        assert (full.seq, full.base, full.sandboxes) == (delta.seq, delta.base, delta.sandboxes)
+        assert sorted(full.removed) == sorted(delta.removed)
+        if fates.random() < 0.8:  # else the answer is lost
+            every.acknowledged(ReportAck(seq=full.seq))
+            told.acknowledged(ReportAck(seq=delta.seq))
+        previous = rows

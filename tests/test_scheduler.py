@@ -91,7 +91,7 @@ def test_a_warm_sandbox_its_node_no_longer_reports_is_not_served_before_its_gran
     async def scenario(h: Harness) -> None:
         await h.settle(5)
         [dead] = h.on_agents()
-        del h.agents.nodes["node-1"].sandboxes[dead]  # gone, as an engine restart leaves it
+        h.agents.nodes["node-1"].remove(dead)  # gone, as an engine restart leaves it
         await h.settle(1.5)  # a report without it
         assert h.scheduler.view.sandboxes[dead].state == S.WARM  # within the grace
         lease = await h.acquire()

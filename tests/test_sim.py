@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import random
 import subprocess
@@ -16,7 +17,7 @@ import pytest
 from bench.generate import generate
 from bench.report import build_report
 from bench.sim import simulate
-from bench.sim.agents import Engine, SimAgents, SimSandbox
+from bench.sim.agents import Engine, RowChanges, SimAgents, SimSandbox
 from bench.sim.loop import VirtualClock, VirtualTimeLoop
 from bench.sim.profile import OPS, Profile
 from dsec.models import CreateSandbox, PoolParams, TemplateSpec
@@ -341,7 +342,7 @@ def test_a_sandboxs_row_says_when_its_command_ended_without_a_change_of_its_own(
     the passing of time alone (active_at: None while it runs, then when it ended)."""
     spec = CreateSandbox(sandbox_id="n.0000000000000001", pool="p",
                          template=TemplateSpec(name="t", image="img"), request_id="r")  # fmt: skip
-    sb = SimSandbox(S.WARM, Resources(1, 1, 1), spec, created_at=0.0)
+    sb = SimSandbox(S.WARM, Resources(1, 1, 1), spec, 0.0, RowChanges(), 0)
     assert sb.row(1.0).active_at == 0.0 and sb.row(2.0) is sb.row(1.0)
     sb.busy_s, sb.busy_until = 2.0, 5.0  # a command from now to 5
     assert sb.row(3.0).active_at is None and sb.row(4.9).active_at is None
@@ -393,3 +394,16 @@ def test_a_new_sandboxs_commands_are_engine_execs_until_its_command_loop_starts(
         loop.close()
     assert seen == handed
     assert not node.engine.execs and not agents.background
+
+
+def test_heartbeats_thinned_for_a_large_cluster_still_come_within_the_timeout(monkeypatch, caplog):
+    """At DSec's scale the simulated agents report less often than every second (one
+    report a sandbox per REPORTED_PER_S), but never so seldom that the control plane
+    takes their nodes out of placement for silence (at 366,000 sandboxes it once did)."""
+    monkeypatch.setattr("bench.sim.agents.REPORTED_PER_S", 0.2)  # 10 sandboxes: 50 s
+    trace = generate(kind="poisson", n=40, rate_per_s=0.2, seed=3, lifetime_p50_s=200,
+                     lifetime_p99_s=400, mean_step_s=20)  # fmt: skip
+    with caplog.at_level(logging.WARNING):
+        result = simulate(trace, nodes=2, slots_per_node=40, seed=1)
+    assert "missed heartbeats" not in caplog.text
+    assert all(r.error is None and r.released_at_s is not None for r in result.records)

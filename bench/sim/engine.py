@@ -166,9 +166,11 @@ async def _simulate(loop: VirtualTimeLoop, episodes: list[Episode], **o) -> RunR
 
     async def hold(episode, sandbox_id, node_id, record, freeze_after_s) -> None:
         steps = episode.steps
-        thinks = [step.think_s * scale for step in steps]
+        thinks = [think_s * scale for think_s in steps.think_s]
         overheads = o["profile"].draws("exec", rng, len(steps))
-        record.exec_s = [step.exec_s * scale + e for step, e in zip(steps, overheads, strict=True)]
+        record.exec_s = [
+            exec_s * scale + e for exec_s, e in zip(steps.exec_s, overheads, strict=True)
+        ]
         record.idle_s, record.busy_s = sum(thinks), sum(record.exec_s)
         busy[0] += record.busy_s
         # played in stretches: a think long enough for the policy to freeze the lease is
@@ -216,7 +218,12 @@ async def _simulate(loop: VirtualTimeLoop, episodes: list[Episode], **o) -> RunR
 
     await agents.start()
     ticking = asyncio.ensure_future(ticks.run_forever())
-    beating = asyncio.ensure_future(agents.heartbeat_forever(scheduler.on_report, o["heartbeat_s"]))
+    # a heartbeat at most every half timeout: the simulated agents are never late
+    beating = asyncio.ensure_future(
+        agents.heartbeat_forever(
+            scheduler.on_report, o["heartbeat_s"], config.heartbeat_timeout_s / 2
+        )
+    )
     await settle()
     started_at[0] = clock.now()
     warm_up = _accounts(metrics)  # the pool's own accounting counts from here, as live

@@ -248,7 +248,11 @@ class Harness:
         s = self.scheduler
         self._tasks = [
             asyncio.ensure_future(s.run_forever()),
-            asyncio.ensure_future(self.agents.heartbeat_forever(s.on_report, self.heartbeat_s)),
+            asyncio.ensure_future(
+                self.agents.heartbeat_forever(
+                    s.on_report, self.heartbeat_s, s.config.heartbeat_timeout_s / 2
+                )
+            ),
         ]
 
     async def stop(self) -> None:
