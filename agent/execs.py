@@ -37,7 +37,7 @@ from agent.docker_driver import (
     Process,
 )
 from agent.engine import Work
-from agent.host import Unavailable, container_init, kill_command_from_host
+from agent.host import Unavailable, kill_command_from_host
 from agent.output import Gathered, Held, OutputBudget, RelayRate
 from agent.resident import CHUNK, RunningCommand
 from agent.sandboxes import Sandbox
@@ -531,7 +531,7 @@ class Execs:
         """Kill a command's processes: from the host, else inside its sandbox (see
         KILL_SCRIPT)."""
         try:
-            pid = await container_init(sandbox, self.docker)
+            pid = await sandbox.container_init(self.docker)
             if pid is not None:
                 entry = f"{MARKER_ENV}={marker}".encode()
                 if left := await kill_command_from_host(pid, container_id, entry):

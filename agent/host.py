@@ -38,13 +38,9 @@ import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, TypeVar
+from typing import TypeVar
 
 from agent.users import WORKDIR_MODE
-
-if TYPE_CHECKING:
-    from agent.docker_driver import AsyncDocker
-    from agent.sandboxes import Sandbox
 
 T = TypeVar("T")
 KILL_ROUNDS = 100  # rounds of stop-and-kill before a reset gives up on what forks on
@@ -89,17 +85,6 @@ def is_init_of(pid: int, container_id: str) -> bool:
     lines = status.splitlines()
     nspid = next((line.split()[1:] for line in lines if line.startswith("NSpid:")), [])
     return len(nspid) > 1 and nspid[-1] == "1" and _in_cgroup_of(pid, container_id)
-
-
-async def container_init(sandbox: Sandbox, docker: AsyncDocker) -> int | None:
-    """The init of the sandbox's container (None: not running): the PID the engine last
-    said while it still is that init, else the engine's answer, kept (an inspect the
-    engine need not make on every reset). Raises DockerOpError."""
-    container_id = sandbox.record.container_id
-    if sandbox.init_pid is not None and is_init_of(sandbox.init_pid, container_id):
-        return sandbox.init_pid
-    sandbox.init_pid = await docker.init_pid(container_id)
-    return sandbox.init_pid
 
 
 def open_in_container(pid: int, container_id: str) -> int | None:

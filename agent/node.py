@@ -34,7 +34,7 @@ from agent.docker_driver import (
 from agent.engine import EngineWideCreates, Work
 from agent.execs import Execs
 from agent.files import Files
-from agent.host import Unavailable, container_init, reset_from_host
+from agent.host import Unavailable, reset_from_host
 from agent.metrics import AgentMetrics
 from agent.reset import leftovers, main_of, reset_dirs, reset_script, split_reset_output
 from agent.resident import BOOTED, NO_COMMAND, Resident
@@ -679,7 +679,7 @@ class Agent:
         container_id = sandbox.record.container_id
         loop, sandbox.loop = sandbox.loop, None
         try:
-            pid = await container_init(sandbox, self.docker)
+            pid = await sandbox.container_init(self.docker)
         except DockerOpError as e:
             raise self._reset_docker_failed(e) from e
         if pid is None:

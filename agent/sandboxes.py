@@ -5,12 +5,16 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from agent.host import LoopProcess
+from agent.host import LoopProcess, is_init_of
 from agent.output import RelayRate
 from agent.store import SandboxRecord
 from dsec.models import TemplateSpec
 from dsec.states import SandboxState, transition
+
+if TYPE_CHECKING:
+    from agent.docker_driver import AsyncDocker
 
 
 @dataclass
@@ -47,6 +51,16 @@ class Sandbox:
     def occupies(self) -> bool:
         """Hibernated sandboxes hold disk only: no slot, CPU or memory."""
         return self.state != SandboxState.HIBERNATED
+
+    async def container_init(self, docker: AsyncDocker) -> int | None:
+        """Its container's init (None: not running): the PID the engine last said while
+        it still is that init, else the engine's answer, kept (an inspect the engine
+        need not make on every reset). Raises DockerOpError."""
+        container_id = self.record.container_id
+        if self.init_pid is not None and is_init_of(self.init_pid, container_id):
+            return self.init_pid
+        self.init_pid = await docker.init_pid(container_id)
+        return self.init_pid
 
     async def loop_started(self) -> None:
         """Wait for a start of its command loop under way to end. A pause or a reset

@@ -12,7 +12,7 @@ import pytest
 from conftest import process_of
 
 from agent.docker_driver import LABEL_NODE, AsyncDocker
-from agent.host import container_init, is_init_of, kill_pid_namespace
+from agent.host import is_init_of, kill_pid_namespace
 from agent.sandboxes import Sandbox
 from agent.store import SandboxRecord
 from dsec.clock import SystemClock
@@ -61,7 +61,7 @@ async def test_killing_the_init_ends_every_process_of_the_container(docker_clien
 async def test_a_container_s_init_is_kept_while_it_is_that_init_and_asked_again_after(
     docker_client,
 ):
-    """agent/host.py container_init: a reset asks the engine for the init's PID once,
+    """Sandbox.container_init (agent/sandboxes.py): a reset asks the engine for the init's PID once,
     not on every reset; a PID that is no longer that container's init is asked again."""
     container = docker_client.containers.run(
         BASE_IMAGE, ["sh", "-c", "sleep 1000 & wait"], detach=True, init=True,
@@ -87,8 +87,8 @@ async def test_a_container_s_init_is_kept_while_it_is_that_init_and_asked_again_
                                template={}, created_at=0.0)  # fmt: skip
         sandbox = Sandbox(record, TemplateSpec(name="t", image=BASE_IMAGE), S.WARM, 0.0)
         sandbox.init_pid = next(p for p in others if p != init)  # not its init
-        assert await container_init(sandbox, docker) == init and asked == [container.id]
-        assert await container_init(sandbox, docker) == init and len(asked) == 1
+        assert await sandbox.container_init(docker) == init and asked == [container.id]
+        assert await sandbox.container_init(docker) == init and len(asked) == 1
     finally:
         container.remove(force=True)
         await docker.close()

@@ -393,7 +393,7 @@ async def test_a_restored_sandbox_boots_its_loop_again_once(docker_client, tmp_p
         assert not container.attrs["ExecIDs"] and not agent.resident.starting
 
 
-def test_the_loops_go_to_a_tmpfs_directory_of_the_state_dir_s_own_or_stay_in_it(
+async def test_the_loops_go_to_a_tmpfs_directory_of_the_state_dir_s_own_or_stay_in_it(
     tmp_path, monkeypatch
 ):
     shm, state, other = tmp_path / "shm", tmp_path / "state", tmp_path / "other"
@@ -416,7 +416,7 @@ def test_the_loops_go_to_a_tmpfs_directory_of_the_state_dir_s_own_or_stay_in_it(
     assert resident.loops_dir(other) == other
 
 
-def test_loop_directories_whose_state_dir_is_gone_are_swept(tmp_path, monkeypatch):
+async def test_loop_directories_whose_state_dir_is_gone_are_swept(tmp_path, monkeypatch):
     shm = tmp_path / "shm"
     shm.mkdir()
     monkeypatch.setattr(resident, "SHARED_MEMORY", shm)
