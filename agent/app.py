@@ -26,7 +26,6 @@ from agent.report import node_report, sandbox_report
 from agent.resident import RunningCommand, sweep_orphans
 from agent.sandboxes import Sandbox
 from dsec.httpkit import (
-    FORM_TYPE,
     MAX_BODY_BYTES,
     Api,
     ApiError,
@@ -37,6 +36,7 @@ from dsec.httpkit import (
     body_limit_with_files,
     cancel_and_wait,
     count_authenticated,
+    is_form,
     model_response,
     new_app,
     parse_json,
@@ -123,7 +123,7 @@ async def lease_sandbox(request: web.Request) -> web.Response:
 async def _read_grant(request: web.Request) -> LeaseGrant:
     """A grant, its claim's files (the control plane's limit holds them) in base64 JSON
     or, as the control plane sends them, as a form's second part, bytes as they are."""
-    if request.content_type != FORM_TYPE:
+    if not is_form(request):
         return await read_model(request, LeaseGrant, body_limit_with_files(CLAIM_FILES_CEILING))
     parts = await read_form(request, MAX_BODY_BYTES + CLAIM_FILES_CEILING, 2)
     names = [part.name for part in parts]

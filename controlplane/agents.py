@@ -214,7 +214,8 @@ class HttpAgents:
             async with self.http.request(
                 method, url, data=data, headers=headers, timeout=timeout or self.http.timeout
             ) as resp:
-                text = await resp.text()
+                # (JSON is UTF-8: no charset to parse out of the answer's content type)
+                text = (await resp.read()).decode("utf-8", "replace")
                 try:
                     payload = json.loads(text) if text else None
                 except json.JSONDecodeError:

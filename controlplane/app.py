@@ -29,13 +29,13 @@ from controlplane.view import NodeEntry, SandboxEntry
 from dsec.addresses import is_loopback, is_loopback_address, unroutable
 from dsec.clock import Clock
 from dsec.httpkit import (
-    FORM_TYPE,
     MAX_BODY_BYTES,
     Api,
     ApiError,
     bearer_token,
     body_limit_with_files,
     cancel_and_wait,
+    is_form,
     model_response,
     new_app,
     parse_json,
@@ -119,7 +119,7 @@ async def acquire(request: web.Request) -> web.Response:
     raw = b""
     try:
         _client(request)
-        if request.content_type == FORM_TYPE:
+        if is_form(request):
             parts = await read_form(
                 request, MAX_BODY_BYTES + s.config.max_claim_files_bytes, MAX_TAR_MEMBERS + 1
             )
