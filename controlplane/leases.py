@@ -356,7 +356,8 @@ class Leases:
         if quota is not None:
             self.check_allowed(quota, body.pool, body.priority)
         key = scoped_key(owner, body.idempotency_key)
-        if key is not None and key not in self.by_key:
+        # (a key sent for the first time can be no lease's: nothing to wait to relearn)
+        if key is not None and key not in self.by_key and not body.new_key:
             await self._resync(body.timeout_s)
             if key in self.held_keys:
                 await self._await_reported(key, body.timeout_s)

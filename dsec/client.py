@@ -789,21 +789,27 @@ class Client:
             env=env or {},
             setup=setup,
         )
-        # files go as a form's parts, their bytes as they are (no base64 on any hop)
-        body: AcquireRequest | aiohttp.MultipartWriter = request
-        if files:
-            parts = (
-                [(ACQUIRE_FILE_PART, path, data) for path, data in files.items()]
-                if isinstance(files, dict)
-                else [(ACQUIRE_TAR_PART, None, files)]
-            )
-            body = form_body(
-                [(ACQUIRE_PART, None, request.model_dump_json(exclude_none=True)), *parts]
-            )
+        parts = (
+            [(ACQUIRE_FILE_PART, path, data) for path, data in files.items()]
+            if isinstance(files, dict)
+            else [(ACQUIRE_TAR_PART, None, files)]
+            if files
+            else []
+        )
+
+        def body(attempt: int) -> AcquireRequest | aiohttp.MultipartWriter:
+            # a key made here is new on its first send, never on a retry of it
+            sent = request.model_copy(update={"new_key": idempotency_key is None and not attempt})
+            if not parts:
+                return sent
+            # files go as a form's parts, their bytes as they are (no base64 on any hop)
+            first = (ACQUIRE_PART, None, sent.model_dump_json(exclude_none=True))
+            return form_body([first, *parts])
+
         for attempt in range(self.acquire_retries + 1):
             try:
                 lease = await self._call(
-                    "POST", f"{self.url}/v1/sandboxes", Lease, body, timeout=timeout + 10
+                    "POST", f"{self.url}/v1/sandboxes", Lease, body(attempt), timeout=timeout + 10
                 )
                 return Sandbox(self, lease)
             except (aiohttp.ClientConnectionError, TimeoutError):

@@ -135,6 +135,12 @@ class AcquireRequest(Wire):
     idempotency_key: IdempotencyKey | None = Field(
         None, description="a retry with the same key gets the same sandbox, not a second one"
     )
+    new_key: bool = Field(
+        False,
+        description="the client made idempotency_key for this acquire and sends it for the "
+        "first time: no lease can hold it, so a control plane that has just started serves it "
+        "without waiting for its agents to report their leases (resync_s)",
+    )
     labels: dict[LabelKey, LabelValue] = Field(default_factory=dict, max_length=32)
     # A personalised claim: applied to the warm sandbox it gets, before the answer
     # (docs/contracts.md, "Personalised claims").

@@ -281,6 +281,19 @@ def test_after_a_restart_a_retry_with_a_live_key_gets_the_same_sandbox_not_a_sec
     Harness(nodes=2, pools={"default": COLD}).run(scenario)
 
 
+def test_a_new_key_is_served_at_once_after_a_restart_and_a_retried_one_waits():
+    async def scenario(h: Harness) -> None:
+        await h.settle(2)
+        await h.restart()  # before any heartbeat: keyed acquires wait resync_s
+        started = h.now()
+        await h.acquire(idempotency_key="made-now", new_key=True)
+        assert h.now() - started < 1.0  # a key nobody sent before is no lease's
+        await h.acquire(idempotency_key="sent-before")  # a retry's, perhaps: it waits
+        assert h.now() - started >= h.config.resync_s - 1e-9
+
+    Harness(nodes=1, pools={"default": PoolParams(min_warm=2)}, resync_s=3).run(scenario)
+
+
 def test_a_keyed_acquire_shorter_than_the_resync_answers_resyncing():
     async def scenario(h: Harness) -> None:
         await h.restart()
