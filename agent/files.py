@@ -642,20 +642,16 @@ class Files:
         return (sandbox.spec.workdir, "/tmp")
 
     async def _tree(self, sandbox: Sandbox) -> Tree:
-        """The sandbox's files from the host: its init's PID is kept on the sandbox and
-        checked at each use, asked of the engine again once it is not that init."""
-        container_id = sandbox.record.container_id
-        for cached in (True, False):
-            if not cached or sandbox.init_pid is None:
-                try:
-                    sandbox.init_pid = await self.docker.init_pid(container_id)
-                except DockerOpError as e:
-                    self.docker_failed(e)
-                    raise ApiError(502, f"docker_{e.kind}", str(e)) from e
-            if sandbox.init_pid is None:
-                break
+        """The sandbox's files from the host, through its container's init (the PID kept
+        while it is that init: Sandbox.container_init)."""
+        try:
+            pid = await sandbox.container_init(self.docker)
+        except DockerOpError as e:
+            self.docker_failed(e)
+            raise ApiError(502, f"docker_{e.kind}", str(e)) from e
+        if pid is not None:
             try:
-                root = _open_root(sandbox.init_pid, container_id)
+                root = _open_root(pid, sandbox.record.container_id)
             except OSError as e:  # an agent without the host's PIDs (no --pid host)
                 raise ApiError(
                     503, "files_unavailable", f"this agent cannot reach sandboxes' files: {e}"

@@ -29,7 +29,7 @@ class Sandbox:
     reset_from: str | None = None  # the lease its last reset ended (a retry finds it done)
     resident_tried_at: float | None = None  # its command loop last started (agent/resident.py)
     loop: LoopProcess | None = None  # that loop, where a reset may keep it (agent/host.py)
-    init_pid: int | None = None  # its container's init, for its files (agent/files.py checks it)
+    init_pid: int | None = None  # its container's init, as container_init keeps it
     relay_rate: RelayRate | None = None  # its output's, from its first command (agent/execs.py)
     # its lease's claim being applied (agent/node.py, Agent.lease): a retried grant waits
     claim_applied: asyncio.Task | None = None
