@@ -43,7 +43,16 @@ def interrupt_on_termination() -> None:
     stops it on the way out, as on Ctrl-C, when a supervisor, a `timeout` or a closed
     terminal ends it, instead of dying and leaving its services and sandboxes behind."""
     for sig in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, signal.default_int_handler)
+        signal.signal(sig, _as_ctrl_c)
+
+
+def _as_ctrl_c(signum: int, frame: object) -> None:
+    """Deliver the signal as SIGINT, to whichever handler SIGINT has: under asyncio.run,
+    the one that cancels the main task at an await; elsewhere, KeyboardInterrupt as
+    raised here before. Raised from here, it could land inside a library that catches
+    it: in pydantic's pattern check it became a ValidationError, and `dsec bench tune`
+    exited 1 on SIGHUP with its pool's clean-up skipped."""
+    signal.raise_signal(signal.SIGINT)
 
 
 async def stop_process(proc: asyncio.subprocess.Process, grace_s: float = STOP_GRACE_S) -> None:
