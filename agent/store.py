@@ -17,7 +17,7 @@ import json
 import os
 import sqlite3
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from dsec.statedir import open_private, private_dir, restrict
@@ -128,7 +128,9 @@ class SandboxStore:
     async def put(self, record: SandboxRecord) -> None:
         await self._write(
             "INSERT OR REPLACE INTO sandboxes (id, record) VALUES (?, ?)",
-            (record.id, json.dumps(asdict(record))),
+            # vars, not asdict: its deep copy of every field cost 0.4 ms a write (a recycled
+            # sandbox's ended_leases grows by one per lease), and json.dumps copies nothing
+            (record.id, json.dumps(vars(record))),
         )
 
     async def delete(self, sandbox_id: str) -> None:

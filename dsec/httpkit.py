@@ -9,6 +9,7 @@ the form {"error": {"code", "message", "details"}}.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import json
 import logging
@@ -222,6 +223,19 @@ class FormPart:
     data: bytes
 
 
+@functools.lru_cache(maxsize=1024)
+def part_names(disposition: str | None) -> tuple[str | None, str | None]:
+    """A form part's name and filename, from its Content-Disposition header, as aiohttp's
+    BodyPartReader.name and .filename give them: each of those parses the header again
+    (~20 us a parse, 0.7 ms of a claim of 16 files). The same files come with every
+    rollout of a task, so each header is parsed once."""
+    _, params = aiohttp.multipart.parse_content_disposition(disposition)
+    return (
+        aiohttp.multipart.content_disposition_filename(params, "name"),
+        aiohttp.multipart.content_disposition_filename(params, "filename"),
+    )
+
+
 def form_body(parts: Iterable[tuple[str, str | None, bytes | str]]) -> aiohttp.MultipartWriter:
     """A multipart/form-data body of (name, filename, data) parts: a str part is JSON, a
     bytes part is sent as it is (no base64: a claim's files and a grant's tar)."""
@@ -257,7 +271,8 @@ async def read_form(request: web.Request, max_bytes: int, max_parts: int) -> lis
                             413, "body_too_large", f"the form's parts are over {max_bytes} bytes"
                         )
                     data += chunk
-                parts.append(FormPart(part.name, part.filename, bytes(data)))
+                name, filename = part_names(part.headers.get(aiohttp.hdrs.CONTENT_DISPOSITION))
+                parts.append(FormPart(name, filename, bytes(data)))
     except TimeoutError as e:
         raise ApiError(408, "body_timeout", f"request body not read in {BODY_TIMEOUT_S:g} s") from e
     except (ValueError, AssertionError, aiohttp.ClientPayloadError) as e:

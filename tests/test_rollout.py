@@ -27,10 +27,11 @@ def side(episodes_per_hour: float, call_p50: float, open_p99: float, failures: i
         "episodes": 64 - failures, "failures": failures, "failure_samples": [],
         "infra_faults_per_1000": 0.0, "wall_s": 60.0,
         "episodes_per_hour": episodes_per_hour, "open_ms": {**summary, "p99": open_p99},
-        "open_ms_by_path": {"warm": {**summary, "p99": open_p99}},
+        "open_ms_by_path": {"warm": {**summary, "p99": open_p99}}, "open_schedule_ms": summary,
         "upload_ms": summary, "tool_call_ms": summary, "tool_call_ms_by_kind": {"ls": summary},
         "read_ms": summary, "close_ms": summary, "containers_cpu_s": 10.0,
         "cpu_per_episode_s": 0.2, "share_of_cores": 0.1, "host_busy": 0.9,
+        "ceiling_episodes_per_hour": 36_000.0,
     }  # fmt: skip
 
 
