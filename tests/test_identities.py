@@ -454,7 +454,7 @@ async def test_a_lease_token_takes_up_no_sandbox_but_the_one_it_was_made_for(tmp
         my_token = lease_token(key, mine, lease, OWNER, NO_EXPIRY)
         sandbox_on(a.agent, theirs)
         recycled = sandbox_on(a.agent, mine)
-        recycled.record.ended_leases.append(lease)  # that lease ended; the sandbox lives on
+        recycled.record.ended_leases.add(lease)  # that lease ended; the sandbox lives on
         refused = {
             # a token of a lease it had before (it was recycled since)
             mine: [(my_token, 410, "released")],

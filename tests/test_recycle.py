@@ -267,7 +267,7 @@ async def test_the_agent_resets_a_lease_into_a_warm_sandbox_and_a_retry_finds_it
     [stored] = await agent.store.all()
     assert stored.lease_id is None and stored.owner is None
     # kept with it: that lease's token never takes the sandbox up again (Agent.adopt)
-    assert record.ended_leases == stored.ended_leases == [LEASE]
+    assert record.ended_leases == stored.ended_leases == {LEASE}
     again = await agent.reset(sid, ResetSandbox(lease_id=LEASE, request_id="r1"))
     assert again is sandbox and docker.calls == ["unpause", "reset"]
     with pytest.raises(ApiError) as other:

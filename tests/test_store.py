@@ -5,6 +5,7 @@ once its write is on disk."""
 from __future__ import annotations
 
 import asyncio
+import json
 
 from agent.store import SandboxRecord, SandboxStore
 
@@ -49,3 +50,54 @@ async def test_a_failed_group_tells_each_of_its_callers(tmp_path):
     )
     assert all(isinstance(r, Exception) for r in results), results
     await store.close()
+
+
+async def test_ended_leases_are_rows_of_their_own_and_go_with_their_sandbox(tmp_path):
+    store = SandboxStore(tmp_path / "n1.sqlite")
+    recycled, other = record(1), record(2)
+    for i in range(200):  # a sandbox recycled 200 times
+        recycled.ended_leases.add(f"lease-{i}")
+        await store.put(recycled, ended=f"lease-{i}")
+    await store.put(other)
+    # the record's own row does not grow with its leases: a recycle adds a row instead
+    [row] = await store._run(
+        lambda: (
+            store._connect()
+            .execute("SELECT record FROM sandboxes WHERE id = ?", (recycled.id,))
+            .fetchall()
+        )
+    )
+    assert "lease-" not in row[0]
+    await store.close()
+    reopened = SandboxStore(tmp_path / "n1.sqlite")
+    kept = {r.id: r.ended_leases for r in await reopened.all()}
+    assert kept == {recycled.id: {f"lease-{i}" for i in range(200)}, other.id: set()}
+    await reopened.delete(recycled.id)
+    count = await reopened._run(
+        lambda: reopened._connect().execute("SELECT COUNT(*) FROM ended_leases").fetchone()[0]
+    )
+    assert count == 0
+    await reopened.close()
+
+
+async def test_a_record_an_older_agent_wrote_keeps_its_ended_leases(tmp_path):
+    store = SandboxStore(tmp_path / "n1.sqlite")
+    old = record(1)
+    await store.put(old)
+    fields = {**json.loads(json.dumps(vars(old), default=list)), "ended_leases": ["lease-a"]}
+    await store._run(
+        lambda: (
+            store._connect()
+            .execute("UPDATE sandboxes SET record = ? WHERE id = ?", (json.dumps(fields), old.id))
+            .connection.commit()
+        )
+    )
+    [loaded] = await store.all()
+    assert loaded.ended_leases == {"lease-a"}
+    loaded.ended_leases.add("lease-b")
+    await store.put(loaded, ended="lease-b")  # its list is gone from the record's row
+    await store.close()
+    reopened = SandboxStore(tmp_path / "n1.sqlite")
+    [again] = await reopened.all()
+    assert again.ended_leases == {"lease-a", "lease-b"}
+    await reopened.close()
