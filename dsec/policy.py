@@ -330,11 +330,6 @@ def scale_up_step(params: PoolParams, pending: int, idle: int) -> int:
     return max(1, math.ceil(params.scale_up_step * base))
 
 
-# what Placement keeps the room for: node kind, needs (cpus, memory_mb, slots), the nodes
-# excluded, the image
-RoomKey = tuple[str, float, int, int, frozenset[str], str]
-
-
 def _seed(*parts: object) -> int:
     return int.from_bytes(hashlib.blake2b(repr(parts).encode(), digest_size=8).digest(), "big")
 
@@ -353,12 +348,10 @@ class Placement:
         # local room, in the same pass (most ticks at DSec's scale place something)
         self.local_capacity: Resources | None = None
         self.local_used: Resources | None = None
-        # (kind, needs, excluded, image) -> the nodes with room for it whose engine holds
-        # the image, and those of them whose engine has a create to spare, each by id in the
-        # nodes' order: looked for once a decision, in one pass, then kept up to date as
-        # placements use room and engines (a placement changes one node), since a burst
-        # places many creates
-        self._room: dict[RoomKey, tuple[dict[str, NodeSnap], dict[str, NodeSnap]]] = {}
+        # (kind, needs, excluded) -> the nodes with room for it, by id in the nodes' order:
+        # looked for once a decision, then kept up to date as placements use room (a
+        # placement changes the room of one node), since a burst places many creates
+        self._room: dict[tuple[str, float, int, int, frozenset[str]], dict[str, NodeSnap]] = {}
 
     def used(self, node: NodeSnap) -> Resources:
         extra = self.extra.get(node.id)
@@ -371,24 +364,20 @@ class Placement:
             return 1.0
         return self.local_used.ratio_of(self.local_capacity)
 
-    def feasible(
-        self, kind: str, needs: Resources, excluded: frozenset[str], image: str
-    ) -> tuple[dict[str, NodeSnap], dict[str, NodeSnap]]:
-        """The nodes of `kind` that take work, hold `image` and have room for `needs`, less
-        `excluded`; and those of them with a create to spare (`creates_queued` < 1)."""
-        key = (kind, needs.cpus, needs.memory_mb, needs.slots, excluded, image)
+    def feasible(self, kind: str, needs: Resources, excluded: frozenset[str]) -> list[NodeSnap]:
+        """The nodes of `kind` that take work and have room for `needs`, less `excluded`."""
+        key = (kind, needs.cpus, needs.memory_mb, needs.slots, excluded)
         room = self._room.get(key)
         if room is None:
-            room = self._room[key] = self._look_for_room(kind, needs, excluded, image)
-        return room
+            room = self._room[key] = {n.id: n for n in self._look_for_room(kind, needs, excluded)}
+        return list(room.values())
 
     def _look_for_room(
-        self, kind: str, needs: Resources, excluded: frozenset[str], image: str
-    ) -> tuple[dict[str, NodeSnap], dict[str, NodeSnap]]:
+        self, kind: str, needs: Resources, excluded: frozenset[str]
+    ) -> list[NodeSnap]:
         # inline, with what it reads in locals: this runs per node per create
-        found: dict[str, NodeSnap] = {}
-        spare: dict[str, NodeSnap] = {}
-        extra, creates = self.extra, self.creates
+        found = []
+        extra = self.extra
         slots, cpus, memory_mb = needs.slots, needs.cpus, needs.memory_mb
         totals = kind == "local" and self.local_capacity is None
         total_cpus = total_memory_mb = total_slots = used_cpus = used_memory_mb = used_slots = 0
@@ -411,15 +400,12 @@ class Placement:
                 used.slots + slots <= cap.slots
                 and used.cpus + cpus <= cap.cpus + 1e-9
                 and used.memory_mb + memory_mb <= cap.memory_mb
-                and image in n.images
             ):
-                found[n.id] = n
-                if (n.creating + creates.get(n.id, 0)) / n.create_limit < 1:  # creates_queued
-                    spare[n.id] = n
+                found.append(n)
         if totals:
             self.local_capacity = Resources(total_cpus, total_memory_mb, total_slots)
             self.local_used = Resources(used_cpus, used_memory_mb, used_slots)
-        return found, spare
+        return found
 
     def creates_queued(self, node: NodeSnap) -> float:
         """How many rounds of its engine's creates a new create on `node` waits behind."""
@@ -443,15 +429,16 @@ class Placement:
         measured limit it would only queue behind the creates that requests wait for.
         """
         needs, image = template.needs, template.image
-        room, spare = self.feasible("local", needs, exclude, image)
-        overflowing = not room or self.local_utilisation() >= overflow_threshold
+        candidates = [n for n in self.feasible("local", needs, exclude) if image in n.images]
+        overflowing = not candidates or self.local_utilisation() >= overflow_threshold
         if overflowing and template.may_overflow:
-            cloud, cloud_spare = self.feasible("cloud", needs, exclude, image)
+            cloud = [n for n in self.feasible("cloud", needs, exclude) if image in n.images]
             if cloud:
-                room, spare = cloud, cloud_spare
+                candidates = cloud
             else:
                 self.unplaced_overflow += 1
-        candidates = list((spare if spare_engine_only else room).values())
+        if spare_engine_only:
+            candidates = [n for n in candidates if self.creates_queued(n) < 1]
         if not candidates:
             return None
         if len(candidates) > SAMPLE_ABOVE:
@@ -466,15 +453,11 @@ class Placement:
         )
         self.extra[best.id] = self.extra.get(best.id, Resources()) + needs
         self.creates[best.id] = self.creates.get(best.id, 0) + 1
-        engine_full = self.creates_queued(best) >= 1
-        for (_, cpus, memory_mb, slots, _, _), (room, spare) in self._room.items():
+        for (_, cpus, memory_mb, slots, _), room in self._room.items():
             if best.id in room and not (
                 self.used(best) + Resources(cpus, memory_mb, slots)
             ).fits_in(best.capacity):
                 del room[best.id]
-                spare.pop(best.id, None)
-            elif engine_full:
-                spare.pop(best.id, None)
         if best.kind == "local" and best.healthy:
             self.local_used = self.local_used + needs
         return best

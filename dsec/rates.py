@@ -27,10 +27,6 @@ class RateTracker:
         self.bucket_s = bucket_s
         self.counts: dict[Hashable, dict[float, int]] = {}  # bucket start -> count
         self.first_seen: dict[Hashable, float] = {}
-        # (bucket under way, the rates then): rates read only whole buckets, which events
-        # now (in the bucket under way, or later) leave as they are, so they are worked out
-        # once a bucket, not once a call (the control plane asks at every tick)
-        self._told: tuple[float, dict[Hashable, float]] | None = None
 
     def _start(self, t: float) -> float:
         return t - t % self.bucket_s
@@ -42,13 +38,9 @@ class RateTracker:
             self.first_seen[key] = now
         start = self._start(now)
         counts[start] = counts.get(start, 0) + count
-        if self._told is not None and start < self._told[0]:
-            self._told = None  # an event in a whole bucket: told anew
 
     def rates(self, now: float) -> dict[Hashable, float]:
         current = self._start(now)
-        if self._told is not None and self._told[0] == current:
-            return dict(self._told[1])
         oldest = current - self.window_s
         rates: dict[Hashable, float] = {}
         for key, counts in list(self.counts.items()):
@@ -63,8 +55,7 @@ class RateTracker:
                 continue  # too soon to tell a stream from a burst
             seen = sorted(counts.get(first + i * self.bucket_s, 0) for i in range(whole))
             rates[key] = seen[(len(seen) - 1) // 2] / self.bucket_s  # the lower median
-        self._told = (current, rates)
-        return dict(rates)
+        return rates
 
 
 class Durations:

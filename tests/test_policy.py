@@ -639,29 +639,3 @@ def test_one_decisions_placements_use_up_room_as_a_look_at_every_node_would():
     assert None not in placed[:81] and placed[81:] == [None] * 4
     by_node = {n.id: placed.count(n.id) for n in nodes}
     assert all(by_node[n.id] == 3 - n.used.slots for n in nodes)
-
-
-def test_refills_go_where_an_engine_has_a_create_to_spare_as_a_look_at_every_node_would():
-    """The nodes with a create to spare are kept with the room through a decision's
-    placements, refills (spare_engine_only) and others mixed: each placement is where a
-    fresh look at the nodes would put it, and a refill only goes to an engine that had a
-    create to spare."""
-    from dsec.policy import SAMPLE_ABOVE, Placement
-
-    nodes = [
-        node(f"n{i:02}", slots=4, used=i % 4, creating=i % 3, create_limit=1 + i % 4,
-             images=("img:t",) if i % 7 else ("img:other",))
-        for i in range(48)
-    ]  # fmt: skip
-    kept, fresh = Placement(nodes, seed=5), Placement(nodes, seed=5)
-    placed = []
-    for i in range(90):
-        refill = i % 3 != 0
-        fresh._room.clear()  # a look at every node, each time
-        queued = {n.id: kept.creates_queued(n) for n in nodes}
-        at = kept.place(TEMPLATES["t"], 0.8, ("k", i), spare_engine_only=refill)
-        assert at == fresh.place(TEMPLATES["t"], 0.8, ("k", i), spare_engine_only=refill)
-        assert at is None or "img:t" in at.images
-        assert at is None or not refill or queued[at.id] < 1
-        placed.append(at and at.id)
-    assert placed.count(None) > 0 and len(set(placed) - {None}) > SAMPLE_ABOVE

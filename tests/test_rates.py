@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import random
-
 import pytest
 
 from dsec.rates import Durations, RateTracker
@@ -22,21 +20,6 @@ def test_a_steady_stream_counts_at_its_rate_and_a_burst_counts_as_none():
         rates.observe("burst", 400.2)
     assert rates.rates(402.5) == {}  # too soon to tell
     assert [rates.rates(t)["burst"] for t in (403.5, 410.0)] == [0.0, 0.0]
-
-
-def test_rates_asked_at_every_event_are_those_worked_out_afresh():
-    """Rates are worked out once a bucket: asked at every event, as the control plane
-    asks at every tick, they are what working them out at each ask would say."""
-    rng = random.Random(5)
-    kept, fresh = RateTracker(), RateTracker()
-    now = 0.0
-    for _ in range(3000):
-        now += rng.expovariate(8.0 if now < 200 else 0.05)  # a stream, then a trickle
-        key = rng.choice("ab")
-        kept.observe(key, now)
-        fresh.observe(key, now)
-        fresh._told = None
-        assert kept.rates(now) == fresh.rates(now) == kept.rates(now)
 
 
 def test_durations_follow_the_recent_ones():
