@@ -140,6 +140,8 @@ class Session(Protocol):
     # how its open got a sandbox: the pool's schedule path (warm, thaw, cold, overflow),
     # or "create" for a side that makes a container per rollout
     opened_by: str
+    # the control plane's own time to answer the open (Lease.schedule_ms), where there is one
+    schedule_s: float | None
 
     async def open(self) -> None: ...
     async def upload(self, repo: Repo) -> None: ...
@@ -153,7 +155,7 @@ class DsecSession:
         self.client, self.pool = client, pool
         self.sb: Any = None
         self.opened_by = ""
-        self.schedule_s: float | None = None  # the control plane's own time to answer
+        self.schedule_s: float | None = None
 
     async def open(self) -> None:
         self.sb = await self.client.acquire(self.pool, TEMPLATE, timeout=ACQUIRE_TIMEOUT_S)
@@ -186,6 +188,7 @@ class Threads:
     a container of its own per rollout."""
 
     opened_by = "create"
+    schedule_s = None  # no control plane
 
     def __init__(self, pool: ThreadPoolExecutor) -> None:
         self.pool = pool
@@ -456,8 +459,8 @@ async def rollout(
     try:
         await timed(step.open_s, session.open())
         step.open_s_by_path[session.opened_by].append(step.open_s[-1])
-        if (schedule_s := getattr(session, "schedule_s", None)) is not None:
-            step.schedule_s.append(schedule_s)
+        if session.schedule_s is not None:
+            step.schedule_s.append(session.schedule_s)
     except (*CALL_ERRORS, *BASELINE_ERRORS) as e:
         step.failures.append(f"episode {i}: open: {type(e).__name__}: {e}")
         return

@@ -136,6 +136,7 @@ class FailingSession:
     """An episode whose first tool call fails with `error`: what rollout() counts."""
 
     opened_by = "warm"
+    schedule_s = 1.0
 
     def __init__(self, error: Exception) -> None:
         self.error = error
