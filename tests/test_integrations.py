@@ -37,7 +37,7 @@ from dsec.client import Client  # noqa: E402
 from dsec.launch.local import LocalPool  # noqa: E402
 from dsec.models import PoolParams  # noqa: E402
 from dsec.processes import dsec_argv, stop_process  # noqa: E402
-from tests.conftest import make_spec, started_pool  # noqa: E402
+from tests.conftest import eventually, make_spec, started_pool  # noqa: E402
 
 pytestmark = [pytest.mark.docker, pytest.mark.asyncio(loop_scope="module")]
 
@@ -76,6 +76,16 @@ async def run_sync(fusion: FusionProcess, **fields) -> sandbox_fusion.RunCodeRes
     return await asyncio.to_thread(
         sandbox_fusion.run_code, request, endpoint=fusion.url, max_attempts=1
     )
+
+
+async def fusion_metrics(service: FusionProcess) -> str:
+    async with aiohttp.ClientSession() as http:
+        async with http.get(f"{service.url}/metrics") as resp:
+            return await resp.text()
+
+
+async def fusion_metrics_include(service: FusionProcess, line: str) -> bool:
+    return line in (await fusion_metrics(service)).splitlines()
 
 
 async def leased(pool: LocalPool) -> list:
@@ -240,10 +250,16 @@ async def test_requests_past_the_concurrency_wait_in_line_and_one_past_its_timeo
 ):
     service = await start_fusion(python_pool.url, python_pool.tokens.client, "--concurrency", "1")
     try:
+        sleep_then_done = "import time\ntime.sleep(1)\nprint('done')"
         slow = [
-            run_sync(service, code="import time\ntime.sleep(1)\nprint('done')", language="python")
+            asyncio.ensure_future(run_sync(service, code=sleep_then_done, language="python"))
             for _ in range(3)
         ]
+        # the slow three must be in the service (one holding the sandbox, two in line)
+        # before the impatient one arrives, or it could take the sandbox first
+        await eventually(
+            lambda: fusion_metrics_include(service, "dsec_fusion_waiting 2.0"), "two in line"
+        )
         impatient = run_sync(
             service, code="print(1)", language="python", compile_timeout=0.2, run_timeout=0.3
         )
@@ -252,9 +268,7 @@ async def test_requests_past_the_concurrency_wait_in_line_and_one_past_its_timeo
             assert answer.status == RunStatus.Success and answer.run_result.stdout == "done\n"
         assert isinstance(cut_short, Exception)
         assert "waited 0.5 s" in str(cut_short) and "none came free" in str(cut_short)
-        async with aiohttp.ClientSession() as http:
-            async with http.get(f"{service.url}/metrics") as resp:
-                page = await resp.text()
+        page = await fusion_metrics(service)
         assert 'dsec_fusion_requests_total{language="python",status="Success"} 3.0' in page
         assert 'dsec_fusion_requests_total{language="python",status="SandboxError"} 1.0' in page
         assert re.search(r'dsec_fusion_request_seconds_count\{language="python"\} 4\.0', page)
