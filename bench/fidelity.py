@@ -18,7 +18,10 @@ again right after it, saves both in the output directory (`profile.json`,
 over the live run falls between the two. The simulator's figures are the median over
 `--sim-seeds` seeds (its own spread is reported too): one live run against the
 simulator's typical run, not against one draw of it. Reported: the relative error of
-p50 and p95 schedule latency and of utilisation, |sim - live| / live.
+p50 and p95 schedule latency and of utilisation, |sim - live| / live; and what the
+engine was asked to do over the replay (creates, starts, kills, removals, pauses,
+unpauses, commits, exec starts): live from the engine's own event stream
+(bench/engine_events.py), simulated from the simulator's engines (median over seeds).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from bench.calibrate import CALIBRATE_ERRORS
+from bench.engine_events import ACTIONS, EngineEventWatch
 from bench.records import RunResult
 from bench.replay_live import ReplayError, default_pool_spec, replay_live
 from bench.report import build_report, write_report
@@ -77,10 +81,13 @@ def fidelity(episodes, spec: LocalPoolSpec, *, time_scale: float, seed: int,
     `recalibrate`, the engine is measured again right after the live run and the
     simulations are run with that profile too (`sim_after`): the engine drifts, and the
     live run happened between the two."""
-    live = asyncio.run(
-        replay_live(episodes, pool_spec=spec, time_scale=time_scale, policy=spec.policy,
-                    trace=trace_name, seed=seed, progress=progress)
-    )  # fmt: skip
+    with EngineEventWatch(spec.name + "-") as engine:
+        live = asyncio.run(
+            replay_live(episodes, pool_spec=spec, time_scale=time_scale, policy=spec.policy,
+                        trace=trace_name, seed=seed, progress=progress)
+        )  # fmt: skip
+    engine_events = {"live": engine.counts(live.meta["started_at_unix"],
+                                           live.meta["ended_at_unix"])}  # fmt: skip
     profiles = {"sim": profile}
     if recalibrate is not None:
         profiles["sim_after"] = recalibrate()
@@ -89,7 +96,8 @@ def fidelity(episodes, spec: LocalPoolSpec, *, time_scale: float, seed: int,
     write_records(live, out / "live" / RECORDS_FILE)
     result: dict = {"trace": trace_name, "policy": spec.policy, "time_scale": time_scale,
                     "live": live_figures, "sim_seeds": sim_seeds,
-                    "live_wall_s": live.meta.get("wall_s"), "sim_wall_s": 0.0}  # fmt: skip
+                    "live_wall_s": live.meta.get("wall_s"), "sim_wall_s": 0.0,
+                    "engine_events": engine_events}  # fmt: skip
     for side, side_profile in profiles.items():
         sims = []
         what = f"dsec bench fidelity: simulations ({side})"
@@ -116,6 +124,10 @@ def fidelity(episodes, spec: LocalPoolSpec, *, time_scale: float, seed: int,
             for name in FIGURES
         }
         result[f"profile{suffix}"] = side_profile.source if side_profile else "default"
+        engine_events[side] = {
+            action: quantile([sim.meta["engine_events"].get(action, 0) for sim in sims], 0.5)
+            for action in ACTIONS
+        }
         result["sim_wall_s"] = round(result["sim_wall_s"] + sum(s.meta["wall_s"] for s in sims), 3)
     return result
 
@@ -136,6 +148,11 @@ def render(result: dict) -> str:
                 f"({side}: profile measured {when} the live run: {result['profile' + suffix]})"
             )
     lines.append(f"(sim: median of {result['sim_seeds']} seeds; profile: {result['profile']})")
+    events = result["engine_events"]
+    sides = list(events)
+    lines += ["", f"| engine events | {' | '.join(sides)} |", "|---" * (len(sides) + 1) + "|"]
+    for action in ACTIONS:
+        lines.append(f"| {action} | {' | '.join(str(events[s][action]) for s in sides)} |")
     return "\n".join(lines)
 
 

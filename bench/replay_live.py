@@ -47,6 +47,7 @@ SETTLE_TIMEOUT_S = 60.0
 # An exec is given its own duration plus this before the agent kills it: a loaded engine
 # can take seconds to start an exec, and that is latency to measure, not a failure.
 EXEC_TIMEOUT_MARGIN_S = 60.0
+ENGINE_EVENTS_LAG_S = 1.0
 # Errors of one call: the episode records them and goes on to release what it holds.
 CALL_ERRORS = (DsecError, aiohttp.ClientError, TimeoutError)
 
@@ -308,6 +309,7 @@ async def _replay_with(
 
     before = await _scrape(http, url)
     started = time.perf_counter()
+    started_at_unix = time.time()  # the engine's own events are dated so (bench.engine_events)
 
     def clock() -> float:
         return time.perf_counter() - started
@@ -340,6 +342,10 @@ async def _replay_with(
     timeline.append(timeline_sample(clock(), await client.pools()))
     wall_s = clock()
     spent = (await _scrape(http, url)).minus(before)
+    # the engine dates a container's end when it sees it, a little after the agent's kill
+    # answered the last release: its events are counted up to a moment later
+    await asyncio.sleep(ENGINE_EVENTS_LAG_S)
+    ended_at_unix = time.time()
 
     return RunResult(
         records=[play.result() for play in plays],
@@ -347,7 +353,12 @@ async def _replay_with(
         sandbox_seconds=spent.sandbox_seconds,
         busy_seconds=spent.busy_seconds,
         scale_events={action: round(n) for action, n in spent.scale_events.items() if n >= 0.5},
-        meta={**meta, "wall_s": round(wall_s, 3)},
+        meta={
+            **meta,
+            "wall_s": round(wall_s, 3),
+            "started_at_unix": started_at_unix,
+            "ended_at_unix": ended_at_unix,
+        },
     )
 
 

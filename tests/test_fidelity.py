@@ -141,3 +141,11 @@ def test_a_small_trace_replayed_live_and_simulated_gives_both_figures(docker_cli
     for name, error in result["relative_error_after"].items():
         assert error == relative_error(result["sim_after"][name], result["live"][name]), name
     assert "| sim_after |" in render(result) and "after the live run" in render(result)
+    # what the engine did, by its own event stream live: each release ends its sandbox's
+    # container (recycle is off), as the simulator has it; and refills made containers
+    events = result["engine_events"]
+    assert set(events) == {"live", "sim", "sim_after"}
+    for side, counts in events.items():
+        assert counts["die"] == len(small_trace()), (side, counts)
+        assert counts["create"] >= 1, (side, counts)
+    assert "| engine events | live | sim | sim_after |" in render(result)

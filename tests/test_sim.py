@@ -10,6 +10,7 @@ import random
 import subprocess
 import sys
 import time
+from collections import Counter
 from types import SimpleNamespace
 
 import pytest
@@ -109,6 +110,24 @@ def test_a_simulated_run_reports_every_field():
     assert report["sandbox_seconds"]["local"] > 0 and report["sandbox_seconds"]["cloud"] == 0
     assert report["scale_events"]["create"] >= 1 and report["scale_events"]["release"] == 60
     assert result.meta["mode"] == "sim" and result.timeline
+    # what its engines were asked, as Docker's events name it: a container made and
+    # started, and its command loop started by an engine exec, for each create; an end
+    # for each release (recycle is off: its sandbox is killed), the removal later
+    events = result.meta["engine_events"]
+    assert events["create"] == events["start"] == report["scale_events"]["create"]
+    assert events["exec_start"] == events["create"]
+    assert events["die"] == 60 and events["destroy"] <= events["die"]
+
+
+def test_a_recycled_sandbox_is_reset_from_the_host_not_by_an_engine_exec():
+    """As live (agent/host.py reset_from_host): a release to a recycling pool costs the
+    engine nothing; its exec starts are the new sandboxes' command loops, one a create."""
+    result = simulate(small_trace(), nodes=2, slots_per_node=40, seed=3,
+                      params=PoolParams(recycle=True))  # fmt: skip
+    events, actions = result.meta["engine_events"], build_report(result)["scale_events"]
+    assert actions["recycle"] == 60
+    assert events["exec_start"] == events["create"] == actions["create"]
+    assert "die" not in events
 
 
 def test_episodes_per_hour_is_the_traces_rate_at_any_time_scale():
@@ -357,10 +376,12 @@ ENGINE_EXEC, TO_LOOP = (False, 1), (True, 10)
 
 
 @pytest.mark.parametrize(
-    ("recyclable", "handed"),
-    [(True, [ENGINE_EXEC, TO_LOOP]), (False, [TO_LOOP, TO_LOOP])],
+    ("recyclable", "handed", "exec_starts"),
+    [(True, [ENGINE_EXEC, TO_LOOP], 2), (False, [TO_LOOP, TO_LOOP], 0)],
 )
-def test_a_new_sandboxs_commands_are_engine_execs_until_its_command_loop_starts(recyclable, handed):
+def test_a_new_sandboxs_commands_are_engine_execs_until_its_command_loop_starts(
+    recyclable, handed, exec_starts
+):
     """As live: a create of a template that may be recycled is followed by the
     detached engine exec that starts the sandbox's command loop; a command before that
     is an engine exec (the engine's work, with an exec rate), one after it is handed to
@@ -394,6 +415,8 @@ def test_a_new_sandboxs_commands_are_engine_execs_until_its_command_loop_starts(
         loop.close()
     assert seen == handed
     assert not node.engine.execs and not agents.background
+    # the loop's start and the command before it; none for a loop started with its container
+    assert agents.engine_events == Counter(create=1, start=1, exec_start=exec_starts)
 
 
 def test_heartbeats_thinned_for_a_large_cluster_still_come_within_the_timeout(monkeypatch, caplog):

@@ -26,7 +26,7 @@ import heapq
 import logging
 import math
 import random
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
@@ -241,14 +241,20 @@ class Engine:
             self.running + self._weights[0] * (looped + engine_execs) + self._weights[1] * commands
         )
 
-    async def run(self, op: str, rng: random.Random, counts: bool = True) -> None:
+    async def run(
+        self, op: str, rng: random.Random, counts: bool = True, engine_work: bool = True
+    ) -> None:
         """Do `op`: its measured duration under the load at its start, stretched or
-        shrunk as the load changes while it runs."""
+        shrunk as the load changes while it runs. Without `engine_work`, it takes no
+        share of the engine's throughput: what the agent does from the host in an
+        operation's time."""
         loop = asyncio.get_running_loop()
         load = self.load(loop.time())
         took = self.profile.draw(op, rng, load)
         left = took / self.profile.slowdown(op, self.profile.measured_load(op, load))
         job = Job(op, counts, left, loop.create_future())
+        if not engine_work:
+            job.work = 0.0  # (none of the engine's rates: see _set_speeds)
         self.jobs[job] = None
         self.running += counts
         self._schedule(loop)
@@ -394,6 +400,10 @@ class SimAgents:
     on_ready: Callable[[float], None] | None = None
     _engine: Engine | None = None
     _engine_wide: SharedCreates | None = None
+    # what the engines were asked to do, in the actions Docker's own event stream names
+    # (create, start, die, destroy, pause, unpause, commit, exec_start), to compare with
+    # a live run's (bench/fidelity.py)
+    engine_events: Counter[str] = field(default_factory=Counter)
 
     def add_node(self, node_id: str, kind: str, capacity: Resources, images: set[str]) -> SimNode:
         engine_wide = None
@@ -490,11 +500,14 @@ class SimAgents:
     async def close(self) -> None:
         """Nothing to close."""
 
-    async def _take(self, op: str, node: SimNode, counts: bool = True) -> None:
+    async def _take(
+        self, op: str, node: SimNode, counts: bool = True, engine_work: bool = True
+    ) -> None:
         """`op` on the node's engine: under load, if the profile says load matters;
-        `counts` says whether it is load for the others."""
+        `counts` says whether it is load for the others, `engine_work` whether it takes
+        its share of the engine's throughput."""
         if self.profile.contended:
-            await node.engine.run(op, self.rng, counts)
+            await node.engine.run(op, self.rng, counts, engine_work)
         else:
             await asyncio.sleep(self.profile.draw(op, self.rng))
 
@@ -588,6 +601,7 @@ class SimAgents:
         node.occupy(needs, +1)
         work = Work.CREATE_FOR_REQUEST if spec.for_request else Work.CREATE_WARM
         await self._engine_op(node, "create", work)
+        self.engine_events.update(("create", "start"))
         sb.state = S.WARM
         self._ready(sb.created_at)
         self._start_loop(node, sb)
@@ -604,6 +618,7 @@ class SimAgents:
 
         async def by_exec() -> None:
             await self._engine_op(node, "exec", Work.RESIDENT)
+            self.engine_events["exec_start"] += 1
             sb.loop_started = True
 
         self._later(by_exec())
@@ -623,11 +638,13 @@ class SimAgents:
         await self._take("lease", node, counts=False)
         if sb.state == S.PAUSED:
             await self._take("unpause", node)
+            self.engine_events["unpause"] += 1
         elif sb.state == S.HIBERNATED:
             if not (node.used + sb.needs).fits_in(node.capacity):
                 return CallResult(False, 409, "no_capacity", "no room to restore")
             node.occupy(sb.needs, +1)
             await self._engine_op(node, "restore", Work.CLIENT)
+            self.engine_events.update(("create", "start"))
             self._start_loop(node, sb)  # a new container
         sb.state, sb.frozen_at = S.LEASED, None
         sb.leased(grant)
@@ -636,6 +653,7 @@ class SimAgents:
 
     async def _pause(self, node: SimNode, sandbox_id: str, sb: SimSandbox) -> CallResult:
         await self._take("pause", node)
+        self.engine_events["pause"] += 1
         if sb.state in PAUSED_FROM:
             sb.state = PAUSED_FROM[sb.state]
             sb.frozen_at = asyncio.get_running_loop().time()
@@ -644,6 +662,7 @@ class SimAgents:
     async def _unpause(self, node: SimNode, sandbox_id: str, sb: SimSandbox) -> CallResult:
         started = asyncio.get_running_loop().time()
         await self._take("unpause", node)
+        self.engine_events["unpause"] += 1
         if sb.state in THAWED_FROM:
             sb.state, sb.frozen_at = THAWED_FROM[sb.state], None
         self._ready(started)
@@ -654,6 +673,7 @@ class SimAgents:
             return CallResult(False, 409, "not_paused", f"sandbox {sandbox_id} is {sb.state}")
         await self._engine_op(node, "commit", Work.FREEZE)
         await self._engine_op(node, "remove", Work.FREEZE)
+        self.engine_events.update(("commit", "die", "destroy"))
         sb.state, sb.loop_started = HIBERNATED_FROM[sb.state], False
         node.occupy(sb.needs, -1)  # memory released: the files stay on disk
         return OK
@@ -661,8 +681,9 @@ class SimAgents:
     async def _reset(
         self, node: SimNode, sandbox_id: str, sb: SimSandbox, req: ResetSandbox
     ) -> CallResult:
-        """As the live agent: a frozen lease thawed, then the reset, about one exec's time
-        (the live one is two execs of shell builtins, most of it the engine's exec start)."""
+        """As the live agent: a frozen lease thawed, then the reset, done from the host
+        (agent/host.py reset_from_host: no engine exec, and no load on the engine), in
+        about one exec's time."""
         if sb.lease is None and sb.state == S.WARM:
             return OK  # a retry of a reset that is done
         if sb.lease is None or sb.lease.lease_id != req.lease_id or sb.state not in ASSIGNED:
@@ -670,7 +691,8 @@ class SimAgents:
         started = asyncio.get_running_loop().time()
         if sb.state == S.LEASED_PAUSED:
             await self._take("unpause", node)
-        await self._take("exec", node)
+            self.engine_events["unpause"] += 1
+        await self._take("exec", node, counts=False, engine_work=False)
         sb.state, sb.frozen_at = S.WARM, None
         sb.leased(None)
         sb.busy_until = max(sb.busy_until, asyncio.get_running_loop().time())
@@ -682,10 +704,15 @@ class SimAgents:
         same runtime), the slot freed, the container removed when the engine is quiet."""
         if sb.state != S.HIBERNATED:
             await self._take("pause", node)
+            self.engine_events["die"] += 1  # killed from the host: the engine sees it end
             node.occupy(sb.needs, -1)
-            self._later(self._engine_op(node, "remove", Work.REMOVE))
+            self._later(self._removal(node))
         node.remove(sandbox_id)
         return CallResult(True, 200, "ok", "", busy_s=sb.busy_s)
+
+    async def _removal(self, node: SimNode) -> None:
+        await self._engine_op(node, "remove", Work.REMOVE)
+        self.engine_events["destroy"] += 1
 
     def _later(self, work: Coroutine[Any, Any, None]) -> None:
         """Engine work nobody waits for; the simulation cancels what is left at its end."""
@@ -715,8 +742,10 @@ class SimAgents:
         only when the profile says load matters). Returns how long they all take."""
         node = self.nodes[node_id]
         sb = node.sandboxes.get(sandbox_id)
+        by_engine = sb is None or not sb.loop_started
+        if by_engine:
+            self.engine_events["exec_start"] += len(took)
         if self.profile.contended:
-            by_engine = sb is None or not sb.loop_started
             at = start_s
             for think, engine, command in zip(thinks, engine_s, took, strict=True):
                 at += think
@@ -737,5 +766,6 @@ class SimAgents:
         if sb is None or sb.state != S.LEASED_PAUSED:
             return False
         await self._take("unpause", node)
+        self.engine_events["unpause"] += 1
         sb.state, sb.frozen_at = S.LEASED, None
         return True

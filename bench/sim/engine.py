@@ -227,6 +227,7 @@ async def _simulate(loop: VirtualTimeLoop, episodes: list[Episode], **o) -> RunR
     await settle()
     started_at[0] = clock.now()
     warm_up = _accounts(metrics)  # the pool's own accounting counts from here, as live
+    engine_events_before = agents.engine_events.copy()
     sampling = asyncio.ensure_future(sample())
     playing = asyncio.gather(*(play(e) for e in episodes))
     try:
@@ -261,6 +262,7 @@ async def _simulate(loop: VirtualTimeLoop, episodes: list[Episode], **o) -> RunR
             "wall_s": round(time.perf_counter() - started_wall, 3),
             "simulated_s": round(since(), 3),
             "settled_after_s": round(started_at[0], 3),
+            "engine_events": dict(sorted((agents.engine_events - engine_events_before).items())),
         },
     )  # fmt: skip
 
