@@ -110,6 +110,9 @@ class SimSandbox:
     busy_until: float = 0.0  # when its last command ends
     frozen_at: float | None = None  # when it was first frozen
     loop_started: bool = False  # its command loop runs: commands need no engine exec
+    # until it does, its commands handed over and not yet started, as engine execs:
+    # (start, end of the engine's part, the window's id on its engine)
+    engine_execs_ahead: list[tuple[float, float, int]] = field(default_factory=list)
     _row: SandboxRow | None = None  # its last row, until what it was made from changes
 
     def __setattr__(self, name: str, value: object) -> None:
@@ -193,11 +196,13 @@ class Engine:
         # in the order they started (a dict, not a set of objects hashed by address: jobs
         # that end together end in that order, and their speeds add up in it, every run)
         self.jobs: dict[Job, None] = {}
-        # windows of load as a heap of (time, change, kind): kind 0 an exec's start
+        # windows of load as a heap of (time, change, kind, id): kind 0 an exec's start
         # through the sandbox's command loop, 1 a command in flight, 2 an exec's start
         # that the engine does (load as kind 0, and work); in_windows[kind] is how many
-        # are open
-        self._edges: list[tuple[float, int, int]] = []
+        # are open. A window withdrawn before it opened has its id in `_withdrawn`
+        self._edges: list[tuple[float, int, int, int]] = []
+        self._window_ids = 0
+        self._withdrawn: set[int] = set()
         self._weights = (profile.exec_weight, profile.command_weight)
         self.in_windows = [0, 0, 0]
         self._rates = profile.engine_rates_per_s
@@ -213,21 +218,29 @@ class Engine:
         self._last = 0.0  # when the jobs' work left was last brought up to date
         self._wakeup: asyncio.TimerHandle | None = None
 
-    def exec_window(self, start_s: float, end_s: float, by_engine: bool = True) -> None:
+    def exec_window(self, start_s: float, end_s: float, by_engine: bool = True) -> int:
         """An exec's start, from `start_s` (now or later) to `end_s`: an engine exec, or
-        (not `by_engine`) a command handed to the sandbox's command loop."""
-        self._window(start_s, end_s, 2 if by_engine else 0)
+        (not `by_engine`) a command handed to the sandbox's command loop. Returns the
+        window's id, for `withdraw`."""
+        return self._window(start_s, end_s, 2 if by_engine else 0)
+
+    def withdraw(self, window_id: int) -> None:
+        """Take back a window that has not opened yet (its start is still ahead)."""
+        self._withdrawn.add(window_id)
 
     def command_window(self, start_s: float, end_s: float) -> None:
         """A command in a sandbox, from `start_s` (now or later) to `end_s`."""
         if self._weights[1]:
             self._window(start_s, end_s, 1)
 
-    def _window(self, start_s: float, end_s: float, kind: int) -> None:
-        heapq.heappush(self._edges, (start_s, 1, kind))
-        heapq.heappush(self._edges, (end_s, -1, kind))
+    def _window(self, start_s: float, end_s: float, kind: int) -> int:
+        self._window_ids += 1
+        window_id = self._window_ids
+        heapq.heappush(self._edges, (start_s, 1, kind, window_id))
+        heapq.heappush(self._edges, (end_s, -1, kind, window_id))
         if self.jobs or self._exec_work:
             self._schedule(asyncio.get_running_loop())
+        return window_id
 
     def load(self, now: float) -> float:
         """How many operations run at `now` (which never goes back), with what runs in
@@ -272,8 +285,13 @@ class Engine:
     def _catch_up(self, now: float) -> None:
         """Bring every job's work left up to `now`, window edge by window edge."""
         edges = self._edges
+        withdrawn = self._withdrawn
         while edges and edges[0][0] <= now:
-            at, change, kind = heapq.heappop(edges)
+            at, change, kind, window_id = heapq.heappop(edges)
+            if withdrawn and window_id in withdrawn:
+                if change < 0:  # both its edges are passed by
+                    withdrawn.discard(window_id)
+                continue
             self._advance(at)
             self.in_windows[kind] += change
             if kind == 2 and change > 0 and self._exec_work:
@@ -620,8 +638,22 @@ class SimAgents:
             await self._engine_op(node, "exec", Work.RESIDENT)
             self.engine_events["exec_start"] += 1
             sb.loop_started = True
+            self._to_loop(node, sb)
 
         self._later(by_exec())
+
+    def _to_loop(self, node: SimNode, sb: SimSandbox) -> None:
+        """The sandbox's loop has started: of its commands handed over before, those not
+        started yet take it, as live, where each command takes the loop if it runs when
+        the command starts, and the engine's exec only if not."""
+        now = asyncio.get_running_loop().time()
+        for start, end, window_id in sb.engine_execs_ahead:
+            if start > now:  # (its window has not opened: the engine has not seen it)
+                self.engine_events["exec_start"] -= 1
+                if window_id:
+                    node.engine.withdraw(window_id)
+                    node.engine.exec_window(start, end, by_engine=False)
+        sb.engine_execs_ahead.clear()
 
     def _ready(self, since: float) -> None:
         if self.on_ready is not None:
@@ -745,12 +777,17 @@ class SimAgents:
         by_engine = sb is None or not sb.loop_started
         if by_engine:
             self.engine_events["exec_start"] += len(took)
-        if self.profile.contended:
+        contended = self.profile.contended
+        if contended or (by_engine and sb is not None):
             at = start_s
             for think, engine, command in zip(thinks, engine_s, took, strict=True):
                 at += think
-                node.engine.exec_window(at, at + engine, by_engine)
-                node.engine.command_window(at, at + command)
+                window_id = 0
+                if contended:
+                    window_id = node.engine.exec_window(at, at + engine, by_engine)
+                    node.engine.command_window(at, at + command)
+                if by_engine and sb is not None:  # until its loop starts (_to_loop)
+                    sb.engine_execs_ahead.append((at, at + engine, window_id))
                 at += command
         busy_s = sum(took)
         duration = sum(thinks) + busy_s
