@@ -370,6 +370,20 @@ def test_a_sandboxs_row_says_when_its_command_ended_without_a_change_of_its_own(
     assert sb.row(6.0).state == S.LEASED
 
 
+def one_node_with_a_sandbox_to_make(recyclable: bool):
+    """A simulated node whose engine takes 10 ms for anything (an exec start a tenth of
+    its throughput), its agents, and the spec of a sandbox to create on it."""
+    profile = Profile({op: [0.01] for op in OPS}, under_load={"create": {1: [0.01]}})
+    profile.engine_rates_per_s = {"exec": 10.0}
+    agents = SimAgents(profile, random.Random(0), shared_engine=False)
+    node = agents.add_node("n", "local", Resources(4, 4096, 4), {"img"})
+    address = SimpleNamespace(id="n", url="sim://n")
+    template = TemplateSpec(name="t", image="img", recyclable=recyclable)
+    spec = CreateSandbox(sandbox_id="n.0000000000000001", pool="p", template=template,
+                         request_id="r")  # fmt: skip
+    return VirtualTimeLoop(), agents, node, address, spec
+
+
 # how the simulator took a command: (the sandbox's loop runs, engine execs + 10 x
 # commands handed to the loop, under way)
 ENGINE_EXEC, TO_LOOP = (False, 1), (True, 10)
@@ -388,15 +402,7 @@ def test_a_new_sandboxs_commands_are_engine_execs_until_its_command_loop_starts(
     the loop (load only). A template that may not be recycled starts the loop with its
     container (agent/resident.py, boot_script): its first command is the loop's, and the
     engine does no exec for it."""
-    profile = Profile({op: [0.01] for op in OPS}, under_load={"create": {1: [0.01]}})
-    profile.engine_rates_per_s = {"exec": 10.0}
-    loop = VirtualTimeLoop()
-    agents = SimAgents(profile, random.Random(0), shared_engine=False)
-    node = agents.add_node("n", "local", Resources(4, 4096, 4), {"img"})
-    address = SimpleNamespace(id="n", url="sim://n")
-    template = TemplateSpec(name="t", image="img", recyclable=recyclable)
-    spec = CreateSandbox(sandbox_id="n.0000000000000001", pool="p", template=template,
-                         request_id="r")  # fmt: skip
+    loop, agents, node, address, spec = one_node_with_a_sandbox_to_make(recyclable)
     seen: list[tuple[bool, int]] = []
 
     async def main() -> None:
@@ -424,15 +430,7 @@ def test_commands_handed_over_before_the_loop_starts_take_it_once_it_runs():
     live, each takes the loop if the loop runs when the command starts. So those that
     start after the loop did are the loop's, not engine execs: in a live run of 1,563
     episodes the engine saw 6,168 exec starts where the simulator counted 8,232."""
-    profile = Profile({op: [0.01] for op in OPS}, under_load={"create": {1: [0.01]}})
-    profile.engine_rates_per_s = {"exec": 10.0}
-    loop = VirtualTimeLoop()
-    agents = SimAgents(profile, random.Random(0), shared_engine=False)
-    node = agents.add_node("n", "local", Resources(4, 4096, 4), {"img"})
-    address = SimpleNamespace(id="n", url="sim://n")
-    template = TemplateSpec(name="t", image="img", recyclable=True)
-    spec = CreateSandbox(sandbox_id="n.0000000000000001", pool="p", template=template,
-                         request_id="r")  # fmt: skip
+    loop, agents, node, address, spec = one_node_with_a_sandbox_to_make(recyclable=True)
     seen: list[tuple[int, int]] = []  # (engine execs, loop commands) starting, per command
 
     async def main() -> None:
