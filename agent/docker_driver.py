@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Hashable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -299,9 +299,16 @@ class AsyncDocker:
             self._api = aiodocker.Docker(url, connector=connector)
         return self._api
 
-    async def call(self, op: str, make: Callable[[], Awaitable[T]], work: Work = Work.CLIENT) -> T:
-        """Run one Engine API call (`make()`) as `op`, once `work` may start."""
-        async with self.engine.turn(work), self._engine_wide_slot(work):
+    async def call(
+        self,
+        op: str,
+        make: Callable[[], Awaitable[T]],
+        work: Work = Work.CLIENT,
+        key: Hashable | None = None,
+    ) -> T:
+        """Run one Engine API call (`make()`) as `op`, once `work` may start (or what
+        `promote(key, ...)` made it meanwhile)."""
+        async with self.engine.turn(work, key), self._engine_wide_slot(work):
             started = self.clock.now()
             try:
                 return await make()
@@ -508,11 +515,13 @@ class AsyncDocker:
         user: str,
         work: Work,
         hold: Callable[[], contextlib.AbstractAsyncContextManager[bool]],
+        key: Hashable | None = None,
     ) -> int | None:
         """Start `cmd` in the container and leave it running there; the host's PID of
         its process (0 where the engine does not tell it), or None when it was not
         started. `hold()` is entered once the engine admits the work and held until the
-        exec has started; the exec starts only if it yields True. An exec that starts
+        exec has started; the exec starts only if it yields True. While it waits for
+        the engine, `promote(key, ...)` may make it more urgent work. An exec that starts
         while the container is being paused hangs in the engine for good (runc joins a
         frozen cgroup), and so does everything after it on that container: the caller's
         hold keeps pauses out meanwhile."""
@@ -525,7 +534,11 @@ class AsyncDocker:
                 await exec_.start(detach=True)
                 return int((await exec_.inspect()).get("Pid") or 0)
 
-        return await self.call("exec_detached", create_and_start, work)
+        return await self.call("exec_detached", create_and_start, work, key)
+
+    def promote(self, key: Hashable, to: Work) -> bool:
+        """Make the call waiting under `key` `to` from now: EngineQueue.promote."""
+        return self.engine.promote(key, to)
 
     async def run(
         self,

@@ -17,7 +17,7 @@ import asyncio
 import fcntl
 import os
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Hashable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from enum import IntEnum
 from pathlib import Path
@@ -89,29 +89,56 @@ class EngineQueue:
         self.now = now  # the injected clock's now()
         self.waiting: dict[Work, deque[tuple[float, asyncio.Future]]] = {w: deque() for w in Work}
         self.running: dict[Work, int] = {w: 0 for w in Work}
+        # work that waits under a key, for `promote`: the key's [class, ticket]
+        self.keyed: dict[Hashable, list] = {}
 
     def queued(self, work: Work) -> int:
         return len(self.waiting[work])
 
     @asynccontextmanager
-    async def turn(self, work: Work) -> AsyncIterator[None]:
-        """Hold one of the engine's slots for `work`, once its turn comes."""
+    async def turn(self, work: Work, key: Hashable | None = None) -> AsyncIterator[None]:
+        """Hold one of the engine's slots for `work`, once its turn comes; while it waits,
+        `promote(key, ...)` may make it more urgent work."""
         ticket = asyncio.get_running_loop().create_future()
         self.waiting[work].append((self.now(), ticket))
+        waiting_as = [work, ticket]  # its class, which a promotion changes
+        if key is not None:
+            self.keyed[key] = waiting_as
         self._admit()
         try:
             await ticket
         except BaseException:
+            work = waiting_as[0]
             if ticket.done() and not ticket.cancelled():
                 self._leave(work)  # admitted just as it was cancelled: give the slot back
             else:
                 self.waiting[work] = deque(t for t in self.waiting[work] if t[1] is not ticket)
                 self._admit()
             raise
+        finally:
+            if key is not None and self.keyed.get(key) is waiting_as:
+                del self.keyed[key]
         try:
             yield
         finally:
-            self._leave(work)
+            self._leave(waiting_as[0])
+
+    def promote(self, key: Hashable, to: Work) -> bool:
+        """Make the work waiting under `key` `to` (more urgent) from now; False if none
+        waits, or it is as urgent already."""
+        waiting_as = self.keyed.get(key)
+        if waiting_as is None or to >= waiting_as[0]:
+            return False
+        work, ticket = waiting_as
+        queue = self.waiting[work]
+        for i, (since, queued) in enumerate(queue):
+            if queued is ticket:
+                del queue[i]
+                self.waiting[to].append((since, ticket))
+                waiting_as[0] = to
+                self._admit()
+                return True
+        return False
 
     def _leave(self, work: Work) -> None:
         self.running[work] -= 1

@@ -364,6 +364,7 @@ class Agent:
                 applying = sandbox.claim_applied
             else:
                 applying = await self._lease_locked(sandbox, grant)
+        self.resident.hurry(sandbox)  # (out of the lock, which its loop's start must not find)
         if applying is not None:  # a retry waits for the first call's files and setup
             await asyncio.shield(applying)
         return sandbox
@@ -462,6 +463,7 @@ class Agent:
             await self.store.put(sandbox.record)
             sandbox.move(SandboxState.LEASED)
             sandbox.last_active = self.clock.now()
+        self.resident.hurry(sandbox)  # (out of the lock, which its loop's start must not find)
 
     async def pause(self, sandbox_id: str) -> Sandbox:
         sandbox = self.get(sandbox_id)

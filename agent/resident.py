@@ -607,16 +607,20 @@ class Resident:
                     shutil.rmtree(path, ignore_errors=True)
 
     def ensure_loop(self, sandbox: Sandbox) -> None:
-        """Start the sandbox's loop in the background, unless a start waits for the
-        engine already or one ended less than RESTART_AFTER_S ago."""
+        """Start the sandbox's loop in the background, unless one ended less than
+        RESTART_AFTER_S ago. A leased sandbox's start is a client's work (`hurry`); a
+        warm one's waits until nothing more urgent does. A start already waiting for the
+        engine is hurried if the sandbox is leased now."""
         tried = sandbox.resident_tried_at
         if not self.has_loop(sandbox.id):
             return
-        if sandbox.id in self.starting or (
-            tried is not None and self.clock.now() - tried < RESTART_AFTER_S
-        ):
+        if sandbox.id in self.starting:
+            self.hurry(sandbox)
+            return
+        if tried is not None and self.clock.now() - tried < RESTART_AFTER_S:
             return
         self.starting.add(sandbox.id)
+        work = Work.CLIENT if sandbox.state == SandboxState.LEASED else Work.RESIDENT
         container_id = sandbox.record.container_id
 
         async def start() -> None:
@@ -626,8 +630,9 @@ class Resident:
                     container_id,
                     [f"{MOUNT}/{SHELL}", f"{MOUNT}/serve"],
                     user=LOOP_USER,
-                    work=Work.RESIDENT,
+                    work=work,
                     hold=lambda: _unchanging(sandbox, container_id),
+                    key=_loop_start_key(sandbox.id),
                 )
                 started = pid is not None
                 # known by PID and start time, which the loop's exec keeps: the engine
@@ -644,6 +649,13 @@ class Resident:
         task = asyncio.ensure_future(start())
         self.operations.add(task)
         task.add_done_callback(self.operations.discard)
+
+    def hurry(self, sandbox: Sandbox) -> None:
+        """A leased sandbox's commands come now, and each one until its loop runs is an
+        engine exec, which costs the engine what the loop's own start does: a start
+        still waiting for the engine is a client's work from here on."""
+        if sandbox.id in self.starting and sandbox.state == SandboxState.LEASED:
+            self.docker.promote(_loop_start_key(sandbox.id), Work.CLIENT)
 
     async def start(
         self, sandbox: Sandbox, argv: list[str], env: dict[str, str], workdir: str
@@ -690,6 +702,11 @@ class Resident:
         if not await proc.runs(ACK_WAIT_S):
             return False
         return proc.answered.is_set() or proc.opened or _loop_reads_ctl(proc.dir_fd)
+
+
+def _loop_start_key(sandbox_id: str) -> tuple[str, str]:
+    """What a loop's start waits for the engine under (EngineQueue.promote)."""
+    return ("loop-start", sandbox_id)
 
 
 @contextlib.asynccontextmanager

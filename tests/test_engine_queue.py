@@ -80,6 +80,41 @@ def test_a_command_loop_starts_only_when_no_create_waits():
     assert run(scenario) == ["create0", "pause", "create1", "create2", "loop"]
 
 
+def test_a_loop_start_promoted_to_a_clients_work_starts_at_once_and_gives_its_slot_back():
+    """A sandbox leased while its loop's start waits behind creates: the start becomes a
+    client's work (agent/resident.py hurry) and goes, while the creates keep their turn."""
+
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        queue = EngineQueue(4, fixed(1), loop.time)
+        started: list = []
+        creates = [
+            asyncio.ensure_future(job(queue, Work.CREATE_FOR_REQUEST, f"create{i}", started, 1))
+            for i in range(3)
+        ]
+        await asyncio.sleep(0.01)
+
+        async def loop_start() -> None:
+            async with queue.turn(Work.RESIDENT, key="sandbox-1"):
+                started.append(("loop", loop.time()))
+                await asyncio.sleep(0.1)
+
+        starting = asyncio.ensure_future(loop_start())
+        await asyncio.sleep(0.5)
+        assert started == [("create0", 0.0)]  # it waits for every create to have started
+        assert not queue.promote("sandbox-2", Work.CLIENT)  # nothing waits under that key
+        assert not queue.promote("sandbox-1", Work.RESIDENT)  # as urgent already
+        assert queue.promote("sandbox-1", Work.CLIENT)
+        await asyncio.gather(*creates, starting)
+        assert not queue.promote("sandbox-1", Work.CLIENT) and not queue.keyed
+        return started, dict(queue.running)
+
+    started, running = run(scenario)
+    assert [name for name, _ in started] == ["create0", "loop", "create1", "create2"]
+    assert started[1][1] == pytest.approx(0.51)
+    assert all(n == 0 for n in running.values())  # each took its slot back as what it ran as
+
+
 def test_a_clients_work_never_waits_for_a_slot():
     async def scenario():
         loop = asyncio.get_running_loop()

@@ -529,11 +529,11 @@ class SimAgents:
         else:
             await asyncio.sleep(self.profile.draw(op, self.rng))
 
-    async def _engine_op(self, node: SimNode, op: str, work: Work) -> None:
+    async def _engine_op(self, node: SimNode, op: str, work: Work, key: str | None = None) -> None:
         engine_wide = contextlib.nullcontext()
         if work in CREATES and node.engine_wide is not None:
             engine_wide = node.engine_wide.slot(node.queue.creates.limit)
-        async with node.queue.turn(work), engine_wide:
+        async with node.queue.turn(work, key), engine_wide:
             started = asyncio.get_running_loop().time()
             await self._take(op, node)
             if work in CREATES:
@@ -635,7 +635,7 @@ class SimAgents:
             return
 
         async def by_exec() -> None:
-            await self._engine_op(node, "exec", Work.RESIDENT)
+            await self._engine_op(node, "exec", Work.RESIDENT, key=sb.spec.sandbox_id)
             self.engine_events["exec_start"] += 1
             sb.loop_started = True
             self._to_loop(node, sb)
@@ -680,6 +680,8 @@ class SimAgents:
             self._start_loop(node, sb)  # a new container
         sb.state, sb.frozen_at = S.LEASED, None
         sb.leased(grant)
+        if not sb.loop_started:  # as live (agent/resident.py hurry): its commands come now
+            node.queue.promote(sb.spec.sandbox_id, Work.CLIENT)
         sb.busy_until = max(sb.busy_until, asyncio.get_running_loop().time())
         return OK
 
