@@ -10,8 +10,10 @@ pipes in a directory of its own per sandbox, bind-mounted read-only at `/.dsec`:
   capabilities to become the sandbox's user: agent/docker_driver.py): started with the
   container by `boot` (boot_script, its entrypoint, which then runs the template's
   command as the sandbox's user) for a template that may not be recycled, else by one
-  detached engine exec once the sandbox exists (when no more urgent work waits for the
-  engine: `Work.RESIDENT`);
+  detached engine exec once the sandbox exists: for a warm sandbox when no more urgent
+  work waits for the engine (`Work.RESIDENT`), for a leased one at once, as a client's
+  work (`Resident.hurry`), since each of its commands until then costs the engine an
+  exec as the start does;
 - `booted`, a pipe on which the boot says whether it started the loop, or found no
   template command to run;
 - `sh`, the shell the loop runs in: the host's static busybox, execute-only (mode 0111,
