@@ -11,9 +11,9 @@ pipes in a directory of its own per sandbox, bind-mounted read-only at `/.dsec`:
   container by `boot` (boot_script, its entrypoint, which then runs the template's
   command as the sandbox's user) for a template that may not be recycled, else by one
   detached engine exec once the sandbox exists: for a warm sandbox when no more urgent
-  work waits for the engine (`Work.RESIDENT`), for a leased one at once, as a client's
-  work (`Resident.hurry`), since each of its commands until then costs the engine an
-  exec as the start does;
+  work waits for the engine (`Work.RESIDENT`), for a new container's leased sandbox at
+  once, as a client's work (`Resident.hurry`), since each of its commands until then
+  costs the engine an exec as the start does;
 - `booted`, a pipe on which the boot says whether it started the loop, or found no
   template command to run;
 - `sh`, the shell the loop runs in: the host's static busybox, execute-only (mode 0111,
@@ -610,9 +610,9 @@ class Resident:
 
     def ensure_loop(self, sandbox: Sandbox) -> None:
         """Start the sandbox's loop in the background, unless one ended less than
-        RESTART_AFTER_S ago. A leased sandbox's start is a client's work (`hurry`); a
-        warm one's waits until nothing more urgent does. A start already waiting for the
-        engine is hurried if the sandbox is leased now."""
+        RESTART_AFTER_S ago. The first start of a leased sandbox's container is a
+        client's work (`hurry`); any other waits until nothing more urgent does. A start
+        already waiting for the engine is hurried if it has become such a first start."""
         tried = sandbox.resident_tried_at
         if not self.has_loop(sandbox.id):
             return
@@ -622,7 +622,7 @@ class Resident:
         if tried is not None and self.clock.now() - tried < RESTART_AFTER_S:
             return
         self.starting.add(sandbox.id)
-        work = Work.CLIENT if sandbox.state == SandboxState.LEASED else Work.RESIDENT
+        work = Work.CLIENT if _first_start_for_a_lease(sandbox) else Work.RESIDENT
         container_id = sandbox.record.container_id
 
         async def start() -> None:
@@ -654,9 +654,10 @@ class Resident:
 
     def hurry(self, sandbox: Sandbox) -> None:
         """A leased sandbox's commands come now, and each one until its loop runs is an
-        engine exec, which costs the engine what the loop's own start does: a start
-        still waiting for the engine is a client's work from here on."""
-        if sandbox.id in self.starting and sandbox.state == SandboxState.LEASED:
+        engine exec, which costs the engine what the loop's own start does: the first
+        start of its container, still waiting for the engine, is a client's work from
+        here on."""
+        if sandbox.id in self.starting and _first_start_for_a_lease(sandbox):
             self.docker.promote(_loop_start_key(sandbox.id), Work.CLIENT)
 
     async def start(
@@ -704,6 +705,14 @@ class Resident:
         if not await proc.runs(ACK_WAIT_S):
             return False
         return proc.answered.is_set() or proc.opened or _loop_reads_ctl(proc.dir_fd)
+
+
+def _first_start_for_a_lease(sandbox: Sandbox) -> bool:
+    """Whether a loop start is a client's work: the sandbox is leased and its container
+    never had its loop started. A start after a reset waits as a warm one's does: the
+    next reset waits for a start under way (Sandbox.loop_started), and a recycled
+    sandbox's leases are short, so a start in one delays its return to the pool."""
+    return sandbox.state == SandboxState.LEASED and sandbox.resident_tried_at is None
 
 
 def _loop_start_key(sandbox_id: str) -> tuple[str, str]:
