@@ -32,8 +32,9 @@ class Work(IntEnum):
     CREATE_FOR_REQUEST = 2  # an acquire waits for it
     CREATE_WARM = 3  # the warm pool refills or scales up: nobody waits yet
     FREEZE = 4  # pause, hibernate
-    # start a warm sandbox's command loop (agent/resident.py): it saves later execs, never
-    # delays a sandbox, so only when nothing more urgent waits (a leased one's is CLIENT)
+    # start a sandbox's command loop (agent/resident.py): it saves later execs, never
+    # delays a sandbox, so only when nothing more urgent waits (but the first start of a
+    # leased sandbox's container is CLIENT work: Resident.hurry)
     RESIDENT = 5
     REMOVE = 6  # remove a container already stopped: only when nothing else waits
 
