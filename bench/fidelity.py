@@ -19,7 +19,7 @@ over the live run falls between the two. The simulator's figures are the median 
 `--sim-seeds` seeds (its own spread is reported too): one live run against the
 simulator's typical run, not against one draw of it. Reported: the relative error of
 p50 and p95 schedule latency and of utilisation, |sim - live| / live; and what the
-engine was asked to do over the replay (creates, starts, kills, removals, pauses,
+engine was asked to do over the replay (creates, starts, ends, removals, pauses,
 unpauses, commits, exec starts): live from the engine's own event stream
 (bench/engine_events.py), simulated from the simulator's engines (median over seeds).
 """

@@ -669,8 +669,7 @@ class SimAgents:
         # what the engine runs meanwhile
         await self._take("lease", node, counts=False)
         if sb.state == S.PAUSED:
-            await self._take("unpause", node)
-            self.engine_events["unpause"] += 1
+            await self._unpause_container(node)
         elif sb.state == S.HIBERNATED:
             if not (node.used + sb.needs).fits_in(node.capacity):
                 return CallResult(False, 409, "no_capacity", "no room to restore")
@@ -695,8 +694,7 @@ class SimAgents:
 
     async def _unpause(self, node: SimNode, sandbox_id: str, sb: SimSandbox) -> CallResult:
         started = asyncio.get_running_loop().time()
-        await self._take("unpause", node)
-        self.engine_events["unpause"] += 1
+        await self._unpause_container(node)
         if sb.state in THAWED_FROM:
             sb.state, sb.frozen_at = THAWED_FROM[sb.state], None
         self._ready(started)
@@ -724,8 +722,7 @@ class SimAgents:
             return CallResult(False, 409, "lease_mismatch", f"{sandbox_id} is not that lease's")
         started = asyncio.get_running_loop().time()
         if sb.state == S.LEASED_PAUSED:
-            await self._take("unpause", node)
-            self.engine_events["unpause"] += 1
+            await self._unpause_container(node)
         await self._take("exec", node, counts=False, engine_work=False)
         sb.state, sb.frozen_at = S.WARM, None
         sb.leased(None)
@@ -743,6 +740,10 @@ class SimAgents:
             self._later(self._removal(node))
         node.remove(sandbox_id)
         return CallResult(True, 200, "ok", "", busy_s=sb.busy_s)
+
+    async def _unpause_container(self, node: SimNode) -> None:
+        await self._take("unpause", node)
+        self.engine_events["unpause"] += 1
 
     async def _removal(self, node: SimNode) -> None:
         await self._engine_op(node, "remove", Work.REMOVE)
@@ -804,7 +805,6 @@ class SimAgents:
         sb = node.sandboxes.get(sandbox_id)
         if sb is None or sb.state != S.LEASED_PAUSED:
             return False
-        await self._take("unpause", node)
-        self.engine_events["unpause"] += 1
+        await self._unpause_container(node)
         sb.state, sb.frozen_at = S.LEASED, None
         return True
