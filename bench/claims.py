@@ -181,25 +181,25 @@ async def run(args: argparse.Namespace) -> dict:
         "containers_left": teardown.left,
     }  # fmt: skip
     report["targets"] = targets(report)
-    p99 = {kind: f["latency_ms"]["p99"] for kind, f in report["kinds"].items()}
-    if p99["personal + setup"] is not None and p99["plain"]:
-        report["setup_vs_plain_p99"] = round(p99["personal + setup"] / p99["plain"], 3)
+    if (setup_ratio := p99_ratio(report["kinds"], "personal + setup", "plain")) is not None:
+        report["setup_vs_plain_p99"] = setup_ratio
     return report
+
+
+def p99_ratio(kinds: dict, a: str, b: str) -> float | None:
+    """Kind `a`'s p99 over kind `b`'s; None without both."""
+    p99_a, p99_b = kinds[a]["latency_ms"]["p99"], kinds[b]["latency_ms"]["p99"]
+    return round(p99_a / p99_b, 3) if p99_a is not None and p99_b else None
 
 
 def targets(r: dict) -> list[dict]:
     kinds = r["kinds"]
-    p99 = {kind: f["latency_ms"]["p99"] for kind, f in kinds.items()}
     errors = sum(f["errors"] for f in kinds.values())
     note = f"{errors} errors" if errors else ""
-
-    def ratio(a: str, b: str) -> float | None:
-        return round(p99[a] / p99[b], 3) if p99[a] is not None and p99[b] else None
-
     return [
-        target("personal p99 vs plain warm p99", ratio("personal", "plain"), PLAIN_RATIO,
+        target("personal p99 vs plain warm p99", p99_ratio(kinds, "personal", "plain"), PLAIN_RATIO,
                note, not errors),
-        target("personal p99 vs cold personal p99", ratio("personal", "cold personal"),
+        target("personal p99 vs cold personal p99", p99_ratio(kinds, "personal", "cold personal"),
                COLD_RATIO, note, not errors),
         target("containers left", r["containers_left"], 0),
     ]  # fmt: skip
