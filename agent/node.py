@@ -634,7 +634,6 @@ class Agent:
             else:
                 record.owner = record.idempotency_key = record.grant_proof = None
                 record.labels, record.lease_env = {}, {}
-                record.ended_leases.add(req.lease_id)
                 await self.store.put(record, ended=req.lease_id)
                 sandbox.move(SandboxState.WARM)
                 sandbox.reset_from = req.lease_id

@@ -151,7 +151,10 @@ class SandboxStore:
             self._conn = None
 
     async def put(self, record: SandboxRecord, ended: str | None = None) -> None:
-        """Write `record`, and with it `ended`, a lease of its that has just ended."""
+        """Write `record`, and with it `ended`, a lease of its that has just ended (added
+        to its ended_leases here)."""
+        if ended is not None:
+            record.ended_leases.add(ended)
         # vars, not asdict: asdict deep-copies every field (0.4 ms a write, measured), and
         # json.dumps copies nothing
         fields = {name: value for name, value in vars(record).items() if name != ENDED}
