@@ -20,6 +20,7 @@ from urllib.parse import unquote
 
 from pydantic import TypeAdapter, ValidationError
 
+from dsec.archives import tar_of_files
 from dsec.httpkit import ApiError, FormPart, parse_model
 from dsec.models import (
     ACQUIRE_FILE_PART,
@@ -99,14 +100,12 @@ def personal_of(
         return None
     files = body.files
     if isinstance(files, dict):
-        size = sum(len(data) for data in files.values())
-        _check_size(size, max_bytes)
-        tar = _tar_of(
+        _check_size(sum(len(data) for data in files.values()), max_bytes, template)
+        tar = tar_of_files(
             {_checked(path, template.workdir): data for path, data in files.items()}, mtime
         )
     elif files:
-        _check_size(len(files), max_bytes)
-        _check_tar(files, template)
+        _check_size(_tar_files_bytes(files, template.workdir), max_bytes, template)
         tar = files
     else:
         tar = None
@@ -118,10 +117,13 @@ def _refused(loc: str, msg: str, code: str = "validation_error") -> ApiError:
     return ApiError(422, code, f"{loc}: {msg}", [{"loc": loc, "msg": msg}])
 
 
-def _check_size(size: int, max_bytes: int) -> None:
+def _check_size(size: int, max_bytes: int, template: TemplateSpec) -> None:
+    """Files of `size` bytes within the control plane's limit and the work dir."""
     if size > max_bytes:
         limit = f"{size} bytes, past {max_bytes} (the control plane's max_claim_files_bytes)"
         raise _refused("files", limit, "files_too_large")
+    if size > template.workdir_mb * 1024 * 1024:
+        raise _refused("files", f"{size} bytes: past the work dir's {template.workdir_mb} MB")
 
 
 def _checked(path: str, workdir: str) -> str:
@@ -141,18 +143,10 @@ def _checked(path: str, workdir: str) -> str:
     return posixpath.normpath(relative)
 
 
-def _tar_of(files: dict[str, bytes], mtime: float) -> bytes:
-    out = io.BytesIO()
-    with tarfile.open(fileobj=out, mode="w", format=tarfile.PAX_FORMAT) as tar:
-        for path, data in files.items():
-            info = tarfile.TarInfo(path)
-            info.size, info.mode, info.mtime = len(data), 0o644, mtime
-            tar.addfile(info, io.BytesIO(data))
-    return out.getvalue()
-
-
-def _check_tar(data: bytes, template: TemplateSpec) -> None:
-    """An uncompressed tar whose members all land in the work dir, and fit in it."""
+def _tar_files_bytes(data: bytes, workdir: str) -> int:
+    """The bytes of an uncompressed tar's files, all of which land in the work dir; its
+    headers count only toward the body's limit, so that a tar of files is held to the
+    limit their bytes as parts would be."""
     try:
         with tarfile.open(fileobj=io.BytesIO(data), mode="r:") as tar:
             size = 0
@@ -163,7 +157,7 @@ def _check_tar(data: bytes, template: TemplateSpec) -> None:
                 if name.startswith("/") or ".." in name.split("/"):
                     raise _refused(
                         f"files.{name[:200]}",
-                        f"tar member outside the work dir {template.workdir}",
+                        f"tar member outside the work dir {workdir}",
                         "path_outside_workdir",
                     )
                 if not (member.isreg() or member.isdir() or member.issym() or member.islnk()):
@@ -171,7 +165,4 @@ def _check_tar(data: bytes, template: TemplateSpec) -> None:
                 size += member.size
     except tarfile.TarError as e:
         raise _refused("files", f"not an uncompressed tar archive ({e})") from e
-    if size > template.workdir_mb * 1024 * 1024:
-        raise _refused(
-            "files", f"unpacks to {size} bytes: past the work dir's {template.workdir_mb} MB"
-        )
+    return size

@@ -37,6 +37,8 @@ from urllib.parse import quote
 import aiohttp
 from pydantic import BaseModel
 
+from dsec.archives import tar_of_files
+from dsec.clock import Clock, SystemClock
 from dsec.httpkit import form_body
 from dsec.models import (
     ACQUIRE_FILE_PART,
@@ -668,8 +670,10 @@ class Client:
         acquire_retries: int = 3,
         connection_limit: int = 512,
         ca: str | Path | None = None,
+        clock: Clock | None = None,
     ) -> None:
         self.url = (url or os.environ.get("DSEC_URL") or DEFAULT_URL).rstrip("/")
+        self.clock = clock or SystemClock()  # what an acquire's files are dated
         self.token = token if token is not None else os.environ.get("DSEC_TOKEN", "")
         # the CA bundle an https pool is verified with (its agents too); None: the system's
         self.ca = ca or os.environ.get("DSEC_CA") or None
@@ -789,13 +793,7 @@ class Client:
             env=env or {},
             setup=setup,
         )
-        parts = (
-            [(ACQUIRE_FILE_PART, path, data) for path, data in files.items()]
-            if isinstance(files, dict)
-            else [(ACQUIRE_TAR_PART, None, files)]
-            if files
-            else []
-        )
+        parts = self._files_parts(files)
 
         def body(attempt: int) -> AcquireRequest | aiohttp.MultipartWriter:
             # a key made here is new on its first send, never on a retry of it
@@ -817,6 +815,22 @@ class Client:
                     raise
                 await asyncio.sleep(0.2 * 2**attempt)  # same key: the same sandbox comes back
         raise AssertionError("unreachable")
+
+    def _files_parts(
+        self, files: dict[str, bytes] | bytes | None
+    ) -> list[tuple[str, str | None, bytes]]:
+        """An acquire's files as its form's parts after the request: one tar, which the
+        control plane checks and passes on as it is (a part per file costs it far more
+        CPU to read, and a tar to build: 5 ms of a 1 MiB claim of 16 files, measured);
+        a part per file only where a path is absolute or not a plain file's (`a/`), for
+        the control plane to check against the template's work dir, which only it knows."""
+        if not files:
+            return []
+        if not isinstance(files, dict):
+            return [(ACQUIRE_TAR_PART, None, files)]
+        if any(not path or path[0] == "/" or path[-1] == "/" for path in files):
+            return [(ACQUIRE_FILE_PART, path, data) for path, data in files.items()]
+        return [(ACQUIRE_TAR_PART, None, tar_of_files(files, self.clock.wall()))]
 
     async def lease(self, sandbox_id: str) -> Sandbox:
         """A sandbox this client holds (an operator: any leased one), acquired here or

@@ -28,12 +28,10 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
-import io
 import json
 import logging
 import posixpath
 import secrets
-import tarfile
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -43,6 +41,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from dsec.archives import tar_of_files
 from dsec.buckets import LATENCY_BUCKETS
 from dsec.client import Client, DsecError, Sandbox
 from dsec.clock import Clock
@@ -186,17 +185,8 @@ def prepare(request: RunCodeRequest, settings: FusionSettings, mtime: float) -> 
     contents[f"{WORKDIR}/{source}"] = code
     fetch = {name: workdir_path(name, "fetch_files") for name in request.fetch_files}
     stdin = request.stdin.encode() if request.stdin is not None else None
-    return Prepared(request, source, _tar(contents, mtime), stdin, fetch)
-
-
-def _tar(contents: dict[str, bytes], mtime: float) -> bytes:
-    out = io.BytesIO()
-    with tarfile.open(fileobj=out, mode="w") as tar:
-        for path, data in contents.items():
-            info = tarfile.TarInfo(posixpath.relpath(path, WORKDIR))
-            info.size, info.mode, info.mtime = len(data), 0o644, int(mtime)
-            tar.addfile(info, io.BytesIO(data))
-    return out.getvalue()
+    relative = {posixpath.relpath(path, WORKDIR): data for path, data in contents.items()}
+    return Prepared(request, source, tar_of_files(relative, mtime), stdin, fetch)
 
 
 def sandbox_error(message: str) -> RunCodeResponse:
