@@ -25,6 +25,8 @@ import aiohttp
 from aiohttp import web
 from pydantic import BaseModel, Field, ValidationError
 from pydantic.json_schema import models_json_schema
+from python_multipart.exceptions import MultipartParseError
+from python_multipart.multipart import MultipartParser, parse_options_header
 
 from dsec.models import SANDBOX_ID_RE, ErrorResponse, validation_details
 
@@ -204,8 +206,6 @@ async def body_chunks(request: web.Request, size: int) -> AsyncIterator[bytes]:
 
 
 FORM_TYPE = "multipart/form-data"
-# a form's parts are read this much at a time: a part of a few MiB in a few steps
-FORM_CHUNK = 256 * 1024
 
 
 def is_form(request: web.Request) -> bool:
@@ -226,9 +226,9 @@ class FormPart:
 @functools.lru_cache(maxsize=1024)
 def part_names(disposition: str | None) -> tuple[str | None, str | None]:
     """A form part's name and filename, from its Content-Disposition header, as aiohttp's
-    BodyPartReader.name and .filename give them: each of those parses the header again
-    (~20 us a parse, 0.7 ms of a claim of 16 files). The same files come with every
-    rollout of a task, so each header is parsed once."""
+    BodyPartReader.name and .filename give them (RFC 2231's `filename*` too), ~20 us a
+    parse. The same files come with every rollout of a task, so each header is parsed
+    once."""
     _, params = aiohttp.multipart.parse_content_disposition(disposition)
     return (
         aiohttp.multipart.content_disposition_filename(params, "name"),
@@ -250,35 +250,85 @@ def form_body(parts: Iterable[tuple[str, str | None, bytes | str]]) -> aiohttp.M
     return form
 
 
+class _FormParts:
+    """A form's parts as python-multipart's parser finds them (its callbacks), whole."""
+
+    def __init__(self, max_parts: int) -> None:
+        self.max_parts = max_parts
+        self.parts: list[FormPart] = []
+        self.ended = False  # the closing boundary was read
+        self._data: list[bytes] = []
+        self._disposition: str | None = None
+        self._field, self._value = b"", b""
+
+    def callbacks(self) -> dict[str, Callable[..., None]]:
+        return {
+            "on_part_begin": self._begin,
+            "on_header_field": self._header_field,
+            "on_header_value": self._header_value,
+            "on_header_end": self._header_end,
+            "on_part_data": self._part_data,
+            "on_part_end": self._part_end,
+            "on_end": self._end,
+        }
+
+    def _begin(self) -> None:
+        if len(self.parts) == self.max_parts:
+            raise ApiError(413, "body_too_large", f"more than {self.max_parts} parts")
+        self._data, self._disposition = [], None
+
+    def _header_field(self, data: bytes, start: int, end: int) -> None:
+        self._field += data[start:end]
+
+    def _header_value(self, data: bytes, start: int, end: int) -> None:
+        self._value += data[start:end]
+
+    def _header_end(self) -> None:
+        if self._field.lower() == b"content-disposition":
+            self._disposition = self._value.decode("utf-8", "surrogateescape")
+        self._field, self._value = b"", b""
+
+    def _part_data(self, data: bytes, start: int, end: int) -> None:
+        self._data.append(data[start:end])
+
+    def _part_end(self) -> None:
+        name, filename = part_names(self._disposition)
+        self.parts.append(FormPart(name, filename, b"".join(self._data)))
+        self._data = []
+
+    def _end(self) -> None:
+        self.ended = True
+
+
 async def read_form(request: web.Request, max_bytes: int, max_parts: int) -> list[FormPart]:
     """A multipart/form-data body's parts whole, read within BODY_TIMEOUT_S, or an
-    ApiError: 413 past `max_bytes` of data or `max_parts` parts, 400 if not a form."""
-    parts: list[FormPart] = []
+    ApiError: 413 past `max_bytes` of body or `max_parts` parts, 400 if not a form.
+
+    The parts are found by python-multipart's parser, fed the body as it arrives: a
+    tenth of the CPU of aiohttp's reader, which copies a part's every chunk into a
+    window to look for the boundary and parses each part's headers again (measured:
+    a 1 MiB form 0.2 ms against 1.8 ms)."""
+    _, options = parse_options_header(request.headers.get("Content-Type", ""))
+    boundary = options.get(b"boundary")
+    if not boundary:
+        raise ApiError(400, "malformed_form", "a form's Content-Type names no boundary")
+    found = _FormParts(max_parts)
+    parser = MultipartParser(boundary, found.callbacks())  # type: ignore[arg-type]
     size = 0
     try:
         async with asyncio.timeout(BODY_TIMEOUT_S):
-            reader = await request.multipart()
-            while (part := await reader.next()) is not None:
-                if not isinstance(part, aiohttp.BodyPartReader):
-                    raise ApiError(400, "malformed_form", "a form's part may not be a form")
-                if len(parts) == max_parts:
-                    raise ApiError(413, "body_too_large", f"more than {max_parts} parts")
-                data = bytearray()
-                while chunk := await part.read_chunk(FORM_CHUNK):
-                    size += len(chunk)
-                    if size > max_bytes:
-                        raise ApiError(
-                            413, "body_too_large", f"the form's parts are over {max_bytes} bytes"
-                        )
-                    data += chunk
-                name, filename = part_names(part.headers.get(aiohttp.hdrs.CONTENT_DISPOSITION))
-                parts.append(FormPart(name, filename, bytes(data)))
+            async for chunk in request.content.iter_any():
+                size += len(chunk)
+                if size > max_bytes:
+                    raise ApiError(413, "body_too_large", f"the form is over {max_bytes} bytes")
+                parser.write(chunk)
     except TimeoutError as e:
         raise ApiError(408, "body_timeout", f"request body not read in {BODY_TIMEOUT_S:g} s") from e
-    except (ValueError, AssertionError, aiohttp.ClientPayloadError) as e:
-        # (aiohttp's reader says a malformed form so: a boundary, a header, an end)
+    except (MultipartParseError, aiohttp.ClientPayloadError) as e:
         raise ApiError(400, "malformed_form", f"request body is not a valid form: {e}") from e
-    return parts
+    if not found.ended:
+        raise ApiError(400, "malformed_form", "request body ends before the form's last boundary")
+    return found.parts
 
 
 def model_response(obj: BaseModel, status: int = 200) -> web.Response:

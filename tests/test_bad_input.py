@@ -178,11 +178,38 @@ async def test_a_form_past_the_claim_limit_is_refused_without_being_read_whole(
     past_body = [("file", f"f{i}", b"x" * (MAX_CLAIM_FILES_BYTES // 2)) for i in range(4)]
     got, body = await call("POST", app_acquire_url, token, data=form_body([REQUEST, *past_body]))
     assert_error(got, body, 413, "body_too_large")
-    broken = b"--b\r\nContent-Disposition: form-data; name=request\r\n\r\n{}"  # no end
-    headers = {"Authorization": f"Bearer {token}", "Content-Type": "multipart/form-data"}
+
+
+@pytest.mark.parametrize(
+    ("content_type", "body", "says"),
+    [
+        ("multipart/form-data", b"--b\r\n\r\n{}\r\n--b--\r\n", "no boundary"),
+        (
+            "multipart/form-data; boundary=b",
+            b"--b\r\nContent-Disposition: form-data; name=request\r\n\r\n{}",
+            "ends before",
+        ),
+        (
+            "multipart/form-data; boundary=b",
+            b"--b\r\n" + b"X-A: 1\r\n" * 64 + b"\r\n{}\r\n--b--\r\n",
+            "not a valid form",
+        ),
+        ("multipart/form-data; boundary=b", b"no form here", "not a valid form"),
+    ],
+    ids=["no-boundary", "no-end", "too-many-part-headers", "garbage"],
+)
+async def test_malformed_forms_are_400_saying_what_is_wrong(
+    controlplane_app, app_acquire_url, content_type, body, says
+):
+    headers = {
+        "Authorization": f"Bearer {controlplane_app.tokens.client}",
+        "Content-Type": content_type,
+    }
     async with aiohttp.ClientSession() as http:
-        async with http.post(app_acquire_url, data=broken, headers=headers) as resp:
-            assert_error(resp.status, await resp.json(), 400, "malformed_form")
+        async with http.post(app_acquire_url, data=body, headers=headers) as resp:
+            got = await resp.json()
+            assert_error(resp.status, got, 400, "malformed_form")
+            assert says in got["error"]["message"], got
 
 
 @pytest.mark.parametrize(
