@@ -310,7 +310,26 @@ async def put_file(request: web.Request) -> web.Response:
 
 
 async def get_file(request: web.Request) -> web.StreamResponse:
-    return await _send_stream(request, "read", "application/octet-stream")
+    transport = request.transport
+    if transport is None or transport.get_extra_info("sslcontext") is not None:
+        # (over TLS the bytes must pass through this process to be encrypted: asyncio's
+        # own fallback would read them in its shared thread pool, so the file's thread does)
+        return await _send_stream(request, "read", "application/octet-stream")
+    agent, sandbox, lease_id, path = await _file_target(request)
+    async with agent.execs.running_in(sandbox, lease_id):
+        file, size = await agent.files.open_to_send(sandbox, path)
+        with file:
+            headers = {"Content-Type": "application/octet-stream", "Content-Length": str(size)}
+            resp = web.StreamResponse(headers=headers)
+            await resp.prepare(request)
+            # the kernel copies the file to the socket (sendfile(2)): no byte through this
+            # process, a third to a half less of its CPU (docs/benchmarks.md, "Files")
+            sent = await asyncio.get_running_loop().sendfile(transport, file, 0, size)
+        if sent < size:  # the sandbox cut the file meanwhile: the client sees a short body
+            transport.close()
+            return resp
+        await resp.write_eof()
+    return resp
 
 
 async def get_tar(request: web.Request) -> web.StreamResponse:

@@ -309,8 +309,8 @@ def write_file(
             os.close(parent)
 
 
-def file_chunks(tree: Tree, path: str) -> Iterator[bytes]:
-    """A regular file's bytes; its checks are made by the first step."""
+def open_regular(tree: Tree, path: str) -> tuple[int, int]:
+    """A regular file open for reading (its fd, the caller's to close) and its size."""
     with _answering(path):
         fd = tree.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO does not hold the open
         try:
@@ -319,10 +319,20 @@ def file_chunks(tree: Tree, path: str) -> Iterator[bytes]:
                 raise OSError(errno.EISDIR, "is a directory")
             if not stat.S_ISREG(st.st_mode):
                 raise ApiError(404, "no_such_file", f"{path!r} is not a regular file")
-            while chunk := os.read(fd, CHUNK):
-                yield chunk
-        finally:
+        except BaseException:
             os.close(fd)
+            raise
+        return fd, st.st_size
+
+
+def file_chunks(tree: Tree, path: str) -> Iterator[bytes]:
+    """A regular file's bytes; its checks are made by the first step."""
+    fd, _ = open_regular(tree, path)
+    try:
+        while chunk := os.read(fd, CHUNK):
+            yield chunk
+    finally:
+        os.close(fd)
 
 
 def listing(tree: Tree, path: str) -> list[FileInfo]:
@@ -755,6 +765,14 @@ class Files:
         finally:
             for waiting in pending:  # a thread still waiting on the body gives up
                 waiting.cancel()
+
+    async def open_to_send(self, sandbox: Sandbox, path: str) -> tuple[BinaryIO, int]:
+        """A regular file of the sandbox open for reading, opened as its user with the
+        checks every operation makes, and its size: the kernel can send it from there
+        (sendfile), with no byte through this process."""
+        tree = await self._tree(sandbox)
+        fd, size = await self._run(sandbox, tree, partial(open_regular, tree, path))
+        return os.fdopen(fd, "rb", buffering=0), size
 
     async def unpack_file(self, sandbox: Sandbox, path: str, archive: BinaryIO) -> FileInfo:
         """Unpack the tar `archive`, a file the agent opened or bytes it holds, into

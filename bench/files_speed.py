@@ -1,5 +1,5 @@
 """Files through the agent's route: 64 MiB up (`PUT .../files`) and down (`GET`), bytes
-compared, MiB/s each way.
+compared, MiB/s each way and the agent's CPU time for each (`agent_cpu_ms`, /proc).
 
     python -m bench.files_speed [--mib 64] [--reps 5] [--json]
 
@@ -17,11 +17,10 @@ import json
 import os
 import statistics
 import sys
-import time
 
 import aiohttp
 
-from bench.data_plane import POOL, AgentPath, acquire_all
+from bench.data_plane import POOL, AgentPath, CpuProbe, acquire_all
 from bench.soak import Teardown, bench_spec, local_pool
 from dsec.client import Client
 from dsec.models import PoolParams
@@ -31,6 +30,7 @@ from dsec.processes import interrupt_on_termination
 async def measure(mib: int, reps: int) -> dict:
     data = os.urandom(mib << 20)
     rates: dict[str, list[float]] = {"upload": [], "download": []}
+    cpu_ms: dict[str, list[float]] = {"upload": [], "download": []}
     teardown = Teardown()
     async with local_pool(bench_spec("files-speed", nodes=1, slots=2), teardown) as pool:
         async with contextlib.AsyncExitStack() as stack:
@@ -40,19 +40,28 @@ async def measure(mib: int, reps: int) -> dict:
             http = await stack.enter_async_context(aiohttp.ClientSession())
             (sb,) = await acquire_all(client, stack, 1)
             agent = AgentPath(http, sb)
+            probe = CpuProbe(pool.agents[0].proc.pid)
             for rep in range(reps + 1):  # the first is a warm-up: it grows the tmpfs
-                started = time.perf_counter()
+                started = probe.sample()
                 await agent.put("/work/f", data)
-                uploaded = time.perf_counter()
+                uploaded = probe.sample()
                 got = await agent.get("/work/f")
-                downloaded = time.perf_counter()
+                downloaded = probe.sample()
                 if got != data:
                     raise SystemExit(f"files_speed: {len(got)} other bytes came back")
                 if rep:
-                    rates["upload"].append(mib / (uploaded - started))
-                    rates["download"].append(mib / (downloaded - uploaded))
+                    for way, before, after in (
+                        ("upload", started, uploaded),
+                        ("download", uploaded, downloaded),
+                    ):
+                        rates[way].append(mib / (after.at - before.at))
+                        cpu_ms[way].append(1000 * (after.agent_s - before.agent_s))
     return {
-        way: {"median": round(statistics.median(r), 1), "each": [round(x, 1) for x in r]}
+        way: {
+            "median": round(statistics.median(r), 1),
+            "each": [round(x, 1) for x in r],
+            "agent_cpu_ms": round(statistics.median(cpu_ms[way]), 1),
+        }
         for way, r in rates.items()
     }
 
@@ -72,7 +81,10 @@ def main(argv: list[str] | None = None) -> int:
     else:
         for way in ("upload", "download"):
             each = report[way]
-            print(f"{way} MiB/s: median {each['median']}, each {each['each']}")
+            print(
+                f"{way} MiB/s: median {each['median']}, each {each['each']}; "
+                f"the agent's CPU {each['agent_cpu_ms']} ms (median)"
+            )
     return 0
 
 

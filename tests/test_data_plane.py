@@ -322,6 +322,12 @@ async def test_a_binary_file_goes_in_and_out_identical_and_is_listed_and_removed
         0o600,
     )
     assert await get(http, sb, "/work/sub/dir/blob.bin") == (200, data)
+    # over plain HTTP the kernel sends it from the file (sendfile): its length up front
+    async with http.get(
+        url(sb, "files"), params={"path": "/work/sub/dir/blob.bin"}, headers=auth(sb)
+    ) as resp:
+        assert resp.headers.get("Content-Length") == str(len(data)), resp.headers
+        assert "Transfer-Encoding" not in resp.headers and await resp.read() == data
     status, listing = await get(http, sb, "/work/sub/dir", "files/list")
     entries = json.loads(listing)["entries"]
     assert [(e["name"], e["size"]) for e in entries] == [("blob.bin", len(data))]
