@@ -304,10 +304,10 @@ async def read_form(request: web.Request, max_bytes: int, max_parts: int) -> lis
     """A multipart/form-data body's parts whole, read within BODY_TIMEOUT_S, or an
     ApiError: 413 past `max_bytes` of body or `max_parts` parts, 400 if not a form.
 
-    The parts are found by python-multipart's parser, fed the body as it arrives: a
-    tenth of the CPU of aiohttp's reader, which copies a part's every chunk into a
-    window to look for the boundary and parses each part's headers again (measured:
-    a 1 MiB form 0.2 ms against 1.8 ms)."""
+    The parts are found by python-multipart's parser, fed the body as it arrives: it
+    parses a 1 MiB form in 0.2 ms of CPU, where aiohttp's reader, which copies a part's
+    every chunk into a window to look for the boundary and parses each part's headers
+    again, cost about 1.7 ms more than reading the same body raw (measured in process)."""
     _, options = parse_options_header(request.headers.get("Content-Type", ""))
     boundary = options.get(b"boundary")
     if not boundary:
