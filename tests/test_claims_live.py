@@ -69,8 +69,9 @@ async def test_files_are_in_the_work_dir_before_the_answer_as_the_sandbox_s_user
 
 
 async def test_files_in_base64_json_and_as_a_form_s_parts_are_the_same_bytes(pool, client):
-    """The SDK sends a claim's files as a form's parts, bytes as they are; an acquire in
-    JSON gives them in base64. Both land the same, whatever the path's characters."""
+    """The SDK sends a claim's files as a tar in a form's part, bytes as they are; an
+    acquire in JSON gives them in base64. Both land the same, whatever the path's
+    characters."""
     await warm_pool(client)
     files = {'d i r/naïve %41 "q";x.bin': bytes(range(256)) * 3, "b.txt": b"b\n"}
     async with client.sandbox(files=files) as sb:
