@@ -441,12 +441,27 @@ def sweep_orphans() -> None:
     if not mine.is_dir() or mine.is_symlink():
         return
     for base in mine.iterdir():
-        try:
-            owner = Path((base / STATE_DIR_MARK).read_text())
-        except OSError:
-            continue  # being made, or not ours to judge
-        if not owner.exists():
+        owner = _state_dir_of(base)
+        if owner is not None and not owner.exists():
             shutil.rmtree(base, ignore_errors=True)
+
+
+def remove_loops_of(state_dir: Path) -> None:
+    """Remove the loop directory of `state_dir`'s nodes under /dev/shm, none of which
+    runs any more: a node killed before it could remove its own leaves it, and a state
+    dir that stays (a test's, a pool's kept for its next start) would keep it."""
+    base = loops_dir(state_dir)
+    if base != state_dir and _state_dir_of(base) == state_dir.resolve():
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def _state_dir_of(base: Path) -> Path | None:
+    """The state dir a loop directory under /dev/shm is marked as its own; None while
+    it is being made, or for one that is not ours to judge."""
+    try:
+        return Path((base / STATE_DIR_MARK).read_text())
+    except OSError:
+        return None
 
 
 def _is_tmpfs(path: Path) -> bool:

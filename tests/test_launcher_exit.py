@@ -16,8 +16,12 @@ import uuid
 from pathlib import Path
 
 import pytest
-from conftest import STARTED_POOLS, TEST_POOL_PREFIX, eventually, pool_containers
+from conftest import STARTED_POOLS, TEST_POOL_PREFIX, eventually, make_spec, pool_containers
 
+from agent.resident import loops_dir
+from dsec.client import Client
+from dsec.launch.local import LocalPool
+from dsec.models import PoolParams
 from dsec.trace import Episode, Step, dump_trace
 
 # a pool of one node with two warm sandboxes that runs until it is killed, and says
@@ -145,3 +149,26 @@ async def test_a_command_that_starts_a_pool_stops_it_on_each_signal(
     assert proc.returncode in (0, 130), err.decode()[-2000:]
     await eventually(lambda: not any(map(running, children)), "its services to end", 30)
     assert its_containers() == []
+
+
+async def test_a_pool_stopped_after_its_agent_was_killed_leaves_nothing_in_shared_memory(
+    docker_client, tmp_path
+):
+    """An agent killed outright cannot remove its command loops' directory, which sits on
+    /dev/shm (the host's memory) and outlives it while the state dir stays; the pool's
+    stop removes it, and the sweep the sandbox the agent left."""
+    spec = make_spec(tmp_path, nodes=1, pool=PoolParams(min_warm=1))
+    base = loops_dir(spec.state_dir / spec.name)
+    if base == spec.state_dir / spec.name:
+        pytest.skip("/dev/shm is not a tmpfs here: the loops stay in the state dir")
+    STARTED_POOLS.add(spec.name)
+    async with LocalPool(spec) as pool:
+        async with Client(pool.url, token=pool.tokens.client) as client:
+            sb = await client.acquire()
+            await sb.exec(["true"])  # through its loop, whose directory is now made
+            assert any(p.name.endswith("-resident") for p in base.iterdir())
+            pool.agents[0].proc.kill()
+            await pool.agents[0].proc.wait()
+    assert not base.exists()
+    # (the leased sandbox, and a warm one if its refill had been made)
+    assert pool.swept >= 1 and not pool_containers(docker_client, spec.name + "-")

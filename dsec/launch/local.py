@@ -23,6 +23,7 @@ import aiohttp
 import docker
 
 from agent.docker_driver import LABEL_NODE
+from agent.resident import remove_loops_of
 from controlplane.cloud import cloud_node_host
 from controlplane.config import (
     ClientQuota,
@@ -445,6 +446,8 @@ class LocalPool:
         await asyncio.gather(*(self._stop_child(a) for a in self.agents))
         if self.controlplane is not None:
             await self._stop_child(self.controlplane)
+        # (what an agent killed before it could clean up left in the host's memory)
+        await asyncio.to_thread(remove_loops_of, self.dir)
         self.swept = await asyncio.to_thread(self._sweep_containers)
         return self.swept
 
