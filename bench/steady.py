@@ -20,6 +20,7 @@ import argparse
 import asyncio
 import sys
 import time
+from collections import Counter
 
 import aiohttp
 
@@ -80,7 +81,7 @@ async def run(args: argparse.Namespace) -> dict:
     report: dict = {
         "rate": args.rate, "seconds": args.seconds, "lease_ms": args.lease_ms,
         "acquires": len(acquires), "errors": len(errors), "first_errors": errors[:5],
-        "paths": {p: sum(1 for a in acquires if a[1] == p) for p in {a[1] for a in acquires}},
+        "paths": dict(Counter(path for _, path, _, _ in acquires)),
         "cold_after_settling": sum(1 for path, _, _ in settled if path != "warm"),
         "warm_ms": summary_ms([s for path, s, _ in settled if path == "warm"]),
         # of it, the control plane's own time from the request's arrival to its answer
