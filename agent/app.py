@@ -23,7 +23,7 @@ from agent.files import checked_mode, checked_path
 from agent.images import ImageLoaded, ImageLoader
 from agent.node import SHUTDOWN_WAIT_S, Agent
 from agent.report import node_report, sandbox_report
-from agent.resident import RunningCommand, sweep_orphans
+from agent.resident import RunningCommand
 from agent.sandboxes import Sandbox
 from dsec.httpkit import (
     MAX_BODY_BYTES,
@@ -67,6 +67,7 @@ from dsec.models import (
     SandboxReport,
     SnapshotMade,
 )
+from dsec.statedir import sweep_orphans
 from dsec.states import SandboxState
 
 AUDIT_READ_LIMIT = 10_000  # records one GET /v1/audit answers at most

@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 from conftest import STARTED_POOLS, TEST_POOL_PREFIX, eventually, make_spec, pool_containers
 
-from agent.resident import loops_dir
 from dsec.client import Client
 from dsec.launch.local import LocalPool
 from dsec.models import PoolParams
+from dsec.statedir import loops_dir
 from dsec.trace import Episode, Step, dump_trace
 
 # a pool of one node with two warm sandboxes that runs until it is killed, and says

@@ -32,11 +32,11 @@ from conftest import (
 )
 from inprocess import inprocess_agent
 
-from agent import resident
 from agent.docker_driver import LOOP_USER, AsyncDocker
 from agent.node import Agent
 from agent.sandboxes import Sandbox as LiveSandbox
 from controlplane.config import default_templates
+from dsec import statedir
 from dsec.client import Client, DsecError, Sandbox
 from dsec.clock import SystemClock
 from dsec.image import BASE_IMAGE
@@ -297,8 +297,8 @@ async def test_the_loops_directory_goes_with_its_sandbox(pool):
     async with Client(pool.url, token=pool.tokens.client) as c:
         async with c.sandbox() as sandbox:
             # on this host's tmpfs, not in the state dir on its disk
-            assert resident.loops_dir(pool.dir).is_relative_to(resident.SHARED_MEMORY)
-            (path,) = resident.loops_dir(pool.dir).glob(f"*-resident/{sandbox.id}")
+            assert statedir.loops_dir(pool.dir).is_relative_to(statedir.SHARED_MEMORY)
+            (path,) = statedir.loops_dir(pool.dir).glob(f"*-resident/{sandbox.id}")
             assert (path / "ctl").is_fifo()
             out = await sandbox.exec(["sh", "-c", r"printf '\377\001'"])
             assert out.stdout_bytes == b"\xff\x01"
@@ -398,36 +398,36 @@ async def test_the_loops_go_to_a_tmpfs_directory_of_the_state_dir_s_own_or_stay_
 ):
     shm, state, other = tmp_path / "shm", tmp_path / "state", tmp_path / "other"
     shm.mkdir(mode=0o1777)
-    monkeypatch.setattr(resident, "SHARED_MEMORY", shm)
-    monkeypatch.setattr(resident, "_is_tmpfs", lambda path: path == shm)
+    monkeypatch.setattr(statedir, "SHARED_MEMORY", shm)
+    monkeypatch.setattr(statedir, "_is_tmpfs", lambda path: path == shm)
     configured = tmp_path / "loops"
-    assert resident.loops_dir(state, configured) == configured
-    mine = resident.loops_dir(state)
-    assert mine.parent == shm / f"dsec-{os.geteuid()}" and mine == resident.loops_dir(state)
+    assert statedir.loops_dir(state, configured) == configured
+    mine = statedir.loops_dir(state)
+    assert mine.parent == shm / f"dsec-{os.geteuid()}" and mine == statedir.loops_dir(state)
     assert stat.S_IMODE(mine.parent.stat().st_mode) == 0o700
-    assert resident.loops_dir(other) not in (mine, other)  # each state dir its own
+    assert statedir.loops_dir(other) not in (mine, other)  # each state dir its own
     # a directory of that name that is not this user's alone: the state dir, as without
     mine.parent.chmod(0o755)
-    assert resident.loops_dir(state) == state
+    assert statedir.loops_dir(state) == state
     mine.parent.rmdir()
     (shm / f"dsec-{os.geteuid()}").symlink_to(tmp_path)
-    assert resident.loops_dir(state) == state
-    monkeypatch.setattr(resident, "_is_tmpfs", lambda path: False)
-    assert resident.loops_dir(other) == other
+    assert statedir.loops_dir(state) == state
+    monkeypatch.setattr(statedir, "_is_tmpfs", lambda path: False)
+    assert statedir.loops_dir(other) == other
 
 
 async def test_loop_directories_whose_state_dir_is_gone_are_swept(tmp_path, monkeypatch):
     shm = tmp_path / "shm"
     shm.mkdir()
-    monkeypatch.setattr(resident, "SHARED_MEMORY", shm)
-    monkeypatch.setattr(resident, "_is_tmpfs", lambda path: path == shm)
+    monkeypatch.setattr(statedir, "SHARED_MEMORY", shm)
+    monkeypatch.setattr(statedir, "_is_tmpfs", lambda path: path == shm)
     kept, gone, unmarked = tmp_path / "kept", tmp_path / "gone", tmp_path / "unmarked"
     kept.mkdir()
     for state in (kept, gone, unmarked):
-        base = resident.loops_dir(state)
+        base = statedir.loops_dir(state)
         (base / "n1-resident").mkdir(parents=True)
         if state != unmarked:  # (one being made has no mark yet: not judged)
-            (base / resident.STATE_DIR_MARK).write_text(str(state.resolve()))
-    resident.sweep_orphans()
+            (base / statedir.STATE_DIR_MARK).write_text(str(state.resolve()))
+    statedir.sweep_orphans()
     left = {p.name for p in (shm / f"dsec-{os.geteuid()}").iterdir()}
-    assert left == {resident.loops_dir(kept).name, resident.loops_dir(unmarked).name}
+    assert left == {statedir.loops_dir(kept).name, statedir.loops_dir(unmarked).name}

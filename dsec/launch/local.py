@@ -23,7 +23,6 @@ import aiohttp
 import docker
 
 from agent.docker_driver import LABEL_NODE
-from agent.resident import remove_loops_of
 from controlplane.cloud import cloud_node_host
 from controlplane.config import (
     ClientQuota,
@@ -46,7 +45,7 @@ from dsec.processes import (
     signalled_at_parent_death,
     stop_process,
 )
-from dsec.statedir import private_dir, write_private
+from dsec.statedir import private_dir, remove_loops_of, write_private
 from dsec.template_build import PYTHON_TEMPLATE_ENV, TemplateBuildError, build_python_template
 from dsec.tls import TlsFiles, client_ssl, make_local_pool_tls
 from dsec.tokens import new_token
