@@ -119,19 +119,28 @@ class Leases:
         req.claimed, req.claimed_on = True, entry.node
         if action.path == "thaw":
             self.metrics.scale_events.labels(entry.pool, "thaw").inc()
+        # the key on disk before its node is asked: a restart mid-call still knows the
+        # key's sandbox. Then served here, in the tick, where it can be: its client is
+        # answered before the grant and the tick's creates are sent (a send that wakes an
+        # agent costs the control plane's loop up to a millisecond on a busy node)
+        key_kept = req.scoped_key is None or self.held_keys.add_now(req.scoped_key, entry.id)
+        served = at_once and key_kept
+        if served:
+            self._serve(entry, req, action.path, now)
 
-        async def run() -> None:
+        async def run(served: bool) -> None:
             # a personalised claim is work its node does while the client waits: the next
             # one is claimed on a node that does less (dsec/policy.py, NodeSnap.applying)
             applying = req.personal is not None
             if applying:
                 self.view.applying(entry.node, +1)
             try:
-                if req.scoped_key:  # on disk first: a restart mid-call still knows the key's
+                if not key_kept:
+                    assert req.scoped_key is not None
                     await self.held_keys.add(req.scoped_key, entry.id)
-                served = at_once and not req.done.done()
-                if served:
-                    self._serve(entry, req, action.path, self.clock.now())
+                    served = at_once and not req.done.done()
+                    if served:
+                        self._serve(entry, req, action.path, self.clock.now())
                 asked = self.clock.now()
                 result = await self.actuator.call(
                     entry, self.actuator.agents.lease, entry.id, grant
@@ -143,7 +152,7 @@ class Leases:
                 req.setup_ms = (self.clock.now() - asked) * 1000
             self._on_leased(entry, req, action.path, result, served)
 
-        self.actuator.spawn(entry, run())
+        self.actuator.spawn(entry, run(served))
 
     def _on_leased(
         self,
@@ -172,9 +181,7 @@ class Leases:
             # the claim's own command failed: its client hears how, and no other
             # sandbox is tried for it; the node removed this one
             if not req.done.done():
-                req.done.set_exception(
-                    ApiError(422, "setup_failed", result.message, result.details)
-                )
+                req.fail(ApiError(422, "setup_failed", result.message, result.details))
                 self._forget_request(req)
             self.outcomes.ended(entry, "setup_failed", result.message)
             entry.call_confirmed(now)
@@ -203,7 +210,7 @@ class Leases:
         self.metrics.acquires.labels(entry.pool, "served").inc()
         lease = self.lease_of(entry, path, schedule_s * 1000)
         lease.setup_ms = req.setup_ms
-        req.done.set_result(lease)
+        req.answer(lease)
 
     def expire(self, action: ExpireLease, now: float) -> None:
         """End a lease its client let lapse (or its node refused after it was served):
@@ -262,7 +269,7 @@ class Leases:
             self.metrics.unplaced.labels(req.pool, action.code).inc()
             log.info("acquire %s (pool %s) cannot be placed: %s", req.id, req.pool, action.reason)
         if action.final:  # its client is waiting: the API answers 422 (and counts it)
-            req.done.set_exception(ApiError(422, "template_unavailable", action.reason))
+            req.fail(ApiError(422, "template_unavailable", action.reason))
             self._forget_request(req)
 
     # --- what clients ask -------------------------------------------------------------
@@ -473,13 +480,17 @@ class Leases:
         """Wait for `req`'s lease up to this caller's own timeout. A retry with the same
         key waits on the same request: the request is given up only when its last
         waiter times out or leaves."""
-        req.waiters += 1
+        waiter = asyncio.get_running_loop().create_future()
+        req.waiters.append(waiter)
         try:
-            return await asyncio.wait_for(asyncio.shield(req.done), timeout_s)
+            if not req.done.done():
+                async with asyncio.timeout(timeout_s):
+                    await waiter  # its own: a timeout or a cancel here leaves req.done be
+            return req.done.result()
         except TimeoutError:
             if req.done.done() and not req.done.cancelled():
                 return req.done.result()
-            if req.waiters == 1:
+            if len(req.waiters) == 1:
                 self._abandon(req, "timed_out")
             why = f" ({req.unplaced})" if req.unplaced else ""
             raise ApiError(
@@ -488,7 +499,7 @@ class Leases:
                 f"no sandbox was ready within {timeout_s} s{why}; retry later",
             ) from None
         except asyncio.CancelledError:
-            if req.waiters > 1:
+            if len(req.waiters) > 1:
                 raise  # another waiter still wants it
             if not req.done.done() or req.done.cancelled():
                 self._abandon(req, "cancelled")
@@ -499,7 +510,7 @@ class Leases:
                     self.actuator.track(asyncio.ensure_future(self._give_back(entry)))
             raise
         finally:
-            req.waiters -= 1
+            req.waiters.remove(waiter)
 
     def give_back_unserved(self, entry: SandboxEntry, why: str) -> None:
         """A lease made for a caller that will never be told of it (a fork whose other
@@ -516,7 +527,7 @@ class Leases:
 
     def _abandon(self, req: PendingRequest, outcome: str) -> None:
         self.metrics.acquires.labels(req.pool, outcome).inc()
-        req.done.cancel()  # a lease still in flight sees this and gives its sandbox back
+        req.give_up()  # a lease still in flight sees this and gives its sandbox back
         self._forget_request(req)
 
     def _forget_request(self, req: PendingRequest) -> None:

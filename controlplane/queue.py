@@ -29,6 +29,8 @@ class PendingRequest:
     personal: Personal | None = None  # the claim's own env, files and setup
     setup_ms: float | None = None  # the time its node took to apply `personal`
     spread: str | None = None  # a fork's: its copies go to different nodes where they can
+    # its outcome: a lease, an ApiError, or cancelled when given up; set through answer,
+    # fail and give_up, which also wake its waiters
     done: asyncio.Future[Lease] = field(default_factory=asyncio.Future)
     refused_by: set[str] = field(default_factory=set)
     template_refusal: str | None = None  # the last refusal about its template, as said
@@ -36,12 +38,32 @@ class PendingRequest:
     reservation: str | None = None  # the sandbox being created for it
     claimed: bool = False  # a sandbox is being leased to it
     claimed_on: str | None = None  # the node of the last sandbox claimed for it
-    waiters: int = 0  # acquires waiting on it (a retry with its key is one more)
+    # a future per acquire waiting on it (a retry with its key is one more), woken
+    # directly when `done` is set: each hop of a shield or a done callback is one more
+    # turn of the event loop, in which the tick's grant and creates are sent first
+    waiters: list[asyncio.Future[None]] = field(default_factory=list)
     # what the policy is shown of it, with the refusals it was made from (refused_by only
     # grows, so its length says whether it changed)
     _snap: tuple[int, str | None, RequestSnap] | None = field(
         default=None, init=False, repr=False, compare=False
     )
+
+    def answer(self, lease: Lease) -> None:
+        self.done.set_result(lease)
+        self._wake_waiters()
+
+    def fail(self, error: Exception) -> None:
+        self.done.set_exception(error)
+        self._wake_waiters()
+
+    def give_up(self) -> None:
+        self.done.cancel()
+        self._wake_waiters()
+
+    def _wake_waiters(self) -> None:
+        for waiter in self.waiters:
+            if not waiter.done():
+                waiter.set_result(None)
 
     @property
     def scoped_key(self) -> str | None:

@@ -56,6 +56,16 @@ class KeyLog:
         self._remember(key, sandbox_id)
         await self._log([key, sandbox_id])
 
+    def add_now(self, key: str, sandbox_id: str) -> bool:
+        """`add` where it needs no wait; False, and nothing done, while the file is being
+        rewritten or is due to be (then `add` it)."""
+        if self.path is not None and (self._rewriting is not None or self._compaction_due()):
+            return False
+        self._remember(key, sandbox_id)
+        if self.path is not None:
+            self._append_line([key, sandbox_id])
+        return True
+
     async def drop(self, key: str) -> None:
         if self.keys.pop(key) is not None:
             await self._log([key, None])
@@ -65,9 +75,7 @@ class KeyLog:
             return
         if self._rewriting is not None:  # a line appended now would land in the old file
             await asyncio.shield(self._rewriting)
-        self.lines += 1
-        # rewritten once the file is mostly lines that no longer count
-        if self.lines > 2 * max(len(self.keys), min(self.limit, MIN_KEYS_TO_COMPACT)):
+        if self._compaction_due():
             self.lines = len(self.keys)
             rewriting = asyncio.ensure_future(
                 asyncio.to_thread(self._rewrite, list(self.keys.items()))
@@ -77,11 +85,20 @@ class KeyLog:
             self._rewriting = rewriting
             await asyncio.shield(rewriting)
         else:
-            # on the loop, not a thread: one short line into the page cache (no fsync)
-            # takes microseconds, a thread's turn 3-10 ms on a busy 2-core node (measured
-            # on the warm acquire path, which waits for this line); and lines stay in the
-            # order asked, so a key let go is never read back as held
-            self._append(json.dumps(item) + "\n")
+            self._append_line(item)
+
+    def _compaction_due(self) -> bool:
+        """Whether one more line makes the file mostly lines that no longer count: then
+        it is rewritten instead."""
+        return self.lines + 1 > 2 * max(len(self.keys), min(self.limit, MIN_KEYS_TO_COMPACT))
+
+    def _append_line(self, item: list) -> None:
+        # on the loop, not a thread: one short line into the page cache (no fsync)
+        # takes microseconds, a thread's turn 3-10 ms on a busy 2-core node (measured
+        # on the warm acquire path, which waits for this line); and lines stay in the
+        # order asked, so a key let go is never read back as held
+        self.lines += 1
+        self._append(json.dumps(item) + "\n")
 
     def _remember(self, key: str, sandbox_id: str) -> None:
         self.keys.add(key, sandbox_id)  # the most recent; past the limit, the oldest go

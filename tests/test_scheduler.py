@@ -83,6 +83,36 @@ def test_a_warm_acquire_is_answered_while_its_grant_is_on_its_way_to_the_agent()
     Harness(nodes=1, pools={"default": PoolParams(min_warm=1)}).run(scenario)
 
 
+def test_a_warm_acquire_is_answered_before_its_grant_or_the_tick_s_creates_are_sent():
+    """Each call to an agent is a send that wakes it, up to a millisecond of the control
+    plane's loop on a busy node (measured): the client is answered first."""
+
+    async def scenario(h: Harness) -> None:
+        await h.settle(5)  # the warm pool fills
+        sent: list[str] = []
+        agents = h.scheduler.actuator.agents
+
+        def noting(op: str):
+            call = getattr(agents, op)
+
+            def sending(*args):
+                sent.append(op)
+                return call(*args)
+
+            return sending
+
+        for op in ("lease", "create"):
+            setattr(agents, op, noting(op))
+        lease = await h.acquire()
+        assert lease.path == "warm"
+        assert sent == [], f"sent before the client was answered: {sent}"
+        await h.granted(lease)
+        await h.settle(1)
+        assert sent == ["lease", "create"]  # its grant, then its replacement
+
+    Harness(nodes=1, pools={"default": PoolParams(min_warm=1)}).run(scenario)
+
+
 def test_a_warm_sandbox_its_node_no_longer_reports_is_not_served_before_its_grant():
     """A warm sandbox that died (with its engine) and that its node's report no longer
     lists is still warm in the view for the confirm grace. It is not served at once:
@@ -827,6 +857,7 @@ def test_a_silent_node_has_its_sandboxes_marked_lost_after_the_heartbeat_timeout
 def test_a_lost_sandbox_released_then_reported_again_by_its_node_is_removed():
     async def scenario(h: Harness) -> None:
         lease = await h.acquire()
+        await h.granted(lease)  # its node holds the lease, then goes silent
         node = h.agents.nodes[lease.node]
         node.down = True
         await h.settle(h.config.heartbeat_timeout_s + 2)

@@ -67,3 +67,21 @@ async def test_a_key_held_and_let_go_at_once_is_read_back_let_go(tmp_path):
     )
     again = KeyLog(path, limit=1_000_000)
     assert [f"k{i}" for i in range(300) if f"k{i}" in again] == []
+
+
+@pytest.mark.asyncio
+async def test_a_key_added_now_is_on_disk_at_once_and_never_while_the_file_is_rewritten(tmp_path):
+    path = tmp_path / "held-keys.jsonl"
+    keys = KeyLog(path, limit=3)
+    for i in range(6):
+        assert keys.add_now(f"k{i}", f"n1.{i:02x}")  # no wait: in the file when it returns
+        assert KeyLog(path, limit=3).sandbox_of(f"k{i}") == f"n1.{i:02x}"
+    # the 7th line would make the file mostly stale lines: only `add` rewrites it
+    assert not keys.add_now("k6", "n1.06") and "k6" not in keys
+    rewriting = asyncio.ensure_future(keys.add("k6", "n1.06"))
+    await asyncio.sleep(0)  # the rewrite is under way, in a thread
+    assert not keys.add_now("k7", "n1.07"), "a line now would land in the file being replaced"
+    await rewriting
+    assert keys.add_now("k7", "n1.07")
+    again = KeyLog(path, limit=3)
+    assert [k for k in ("k5", "k6", "k7") if k in again] == ["k5", "k6", "k7"]
