@@ -125,8 +125,8 @@ class Leases:
         # agent costs the control plane's loop up to a millisecond on a busy node)
         key_kept = req.scoped_key is None or self.held_keys.add_now(req.scoped_key, entry.id)
         served = at_once and key_kept
-        if served:
-            self._serve(entry, req, action.path, now)
+        if served:  # (timed to now, not the tick's start: its decision is part of it)
+            self._serve(entry, req, action.path, self.clock.now())
 
         async def run(served: bool) -> None:
             # a personalised claim is work its node does while the client waits: the next

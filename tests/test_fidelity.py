@@ -17,6 +17,8 @@ from bench.calibrate import (
     command_weight,
     exec_weight,
 )
+from bench.command_cpu import busy_jiffies, cores_busy
+from bench.command_cpu import command_weight as command_cpu_weight
 from bench.fidelity import (
     add_fidelity_arguments,
     fidelity,
@@ -64,6 +66,20 @@ def test_a_command_weighs_no_more_than_the_highest_load_measured_shared_out():
     within = command_weight(lambda k: 1 + 0.1 * k, [0.010], [0.012])
     assert within == pytest.approx(2 / COMMAND_SANDBOXES)
     assert command_weight(lambda k: 1 + 0.1 * k, [0.010], [0.009]) == 0.0
+
+
+def test_a_command_s_weight_by_cpu_is_its_cores_over_an_engine_operation_s():
+    # user nice system idle iowait irq softirq steal guest guest_nice: iowait is not
+    # busy, and guest time is in user time already
+    before = busy_jiffies("cpu  100 0 50 1000 30 0 5 0 0 0")
+    after = busy_jiffies("cpu  160 0 80 1100 50 0 15 0 40 0")
+    assert before == (155, 1185) and after == (255, 1405)
+    assert cores_busy(before, after, cores=2) == pytest.approx(2 * 100 / 220)
+    cores = {"idle": 0.05, "commands": 0.19, "1 operation": 0.95, "2 operations": 1.5}
+    assert command_cpu_weight(cores, 32) == pytest.approx(0.14 / 32 / 0.9)
+    # commands that cost nothing weigh nothing; with no operation's cores, no weight
+    assert command_cpu_weight(cores | {"commands": 0.04}, 32) == 0.0
+    assert command_cpu_weight(cores | {"1 operation": 0.05}, 32) is None
 
 
 @pytest.mark.parametrize(
