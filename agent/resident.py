@@ -540,8 +540,13 @@ class Resident:
         with contextlib.suppress(FileNotFoundError):
             self.root.rmdir()
         self.shell_path.unlink(missing_ok=True)
-        if self.own_base and {p.name for p in self.base.iterdir()} <= {STATE_DIR_MARK}:
-            # (kept while another node of the state dir has anything there)
+        if not self.own_base:
+            return
+        try:
+            left = {p.name for p in self.base.iterdir()}
+        except FileNotFoundError:  # another node of the state dir, closing too, went first
+            return
+        if left <= {STATE_DIR_MARK}:  # (kept while another node of it has anything there)
             with contextlib.suppress(OSError):
                 (self.base / STATE_DIR_MARK).unlink()
                 self.base.rmdir()

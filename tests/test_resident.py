@@ -32,8 +32,10 @@ from conftest import (
 )
 from inprocess import inprocess_agent
 
+from agent.config import AgentConfig
 from agent.docker_driver import LOOP_USER, AsyncDocker
 from agent.node import Agent
+from agent.resident import Resident
 from agent.sandboxes import Sandbox as LiveSandbox
 from controlplane.config import default_templates
 from dsec import statedir
@@ -431,3 +433,31 @@ async def test_loop_directories_whose_state_dir_is_gone_are_swept(tmp_path, monk
     statedir.sweep_orphans()
     left = {p.name for p in (shm / f"dsec-{os.geteuid()}").iterdir()}
     assert left == {statedir.loops_dir(kept).name, statedir.loops_dir(unmarked).name}
+
+
+async def test_nodes_of_one_state_dir_closing_together_leave_nothing_and_raise_nothing(
+    tmp_path, monkeypatch
+):
+    """At a pool's stop its agents close at once: one may find the state dir's loop
+    directory gone, removed by another between its own directory's removal and its look
+    (it raised FileNotFoundError at shutdown)."""
+    shm, state = tmp_path / "shm", tmp_path / "state"
+    shm.mkdir()
+    monkeypatch.setattr(statedir, "SHARED_MEMORY", shm)
+    monkeypatch.setattr(statedir, "_is_tmpfs", lambda path: path == shm)
+
+    def node(node_id: str) -> Resident:
+        config = AgentConfig(node_id=node_id, agent_token="t" * 16, state_dir=state)
+        return Resident(config, None, SystemClock(), lambda e: None, set())  # type: ignore[arg-type]
+
+    first, second = node("n1"), node("n2")
+    assert first.base == second.base and first.base.parent.parent == shm
+    for resident in (first, second):  # as each node's start leaves them (node_shell)
+        resident.root.mkdir(parents=True)
+        resident.shell_path.write_text("")
+    (first.base / statedir.STATE_DIR_MARK).write_text(str(state.resolve()))
+    second.root.rmdir()  # n2 has removed its directory and shell copy...
+    second.shell_path.unlink()
+    first.close(set())  # ...when n1, closing too, sees none left and removes the state dir's
+    assert not first.base.exists()
+    second.close(set())  # n2 goes on to its look: nothing left to remove
