@@ -19,10 +19,20 @@ driver, on the engine directly) the engine completes a second, at any of CONCURR
 once, are its throughput, which the simulator's engine shares out among all three; an
 exec start's weight as load, against a create's, is the ratio of their engine work (the
 create rate over the exec rate). A command in flight loads the machine too, through the
-agent and the client that carry it: warm acquires are also timed beside
-COMMAND_SANDBOXES sandboxes running `sleep` again and again, and the operations' worth
-of load that slows them as much (at most the highest of LOAD_LEVELS, the load measured),
-shared out among the commands, is a command's weight.
+agent and the client that carry it: bursts of BURST cold acquires (a create each,
+through the agents, as a replay's queue of creates goes) are timed while LOAD_LEVELS
+engine operations are under way beside the pool, and beside COMMAND_SANDBOXES
+sandboxes running `sleep` again and again; the operations' worth of load that slows a
+burst as much as the commands do (at most the highest of LOAD_LEVELS, the load
+measured), shared out among the commands, is a command's weight.
+
+Warm acquires were the probe for that weight once: since a running warm sandbox is
+served in the tick that claims it, its schedule time no longer slows with the machine's
+load (0.38 ms alone, 0.39-0.41 beside 1-4 operations, measured), and the weight read
+from it was 0. A burst's creates go through the agents, whose event loops the commands
+share: 64 commands slowed one as much as one engine operation did (16.3 cold acquires
+a second alone, 13.1 beside them, 13.0-14.6 beside an operation), where by the cores
+they take (`bench.command_cpu`) they weigh a quarter of that.
 
 Both weights were once ratios of two small slowdowns, each a median of a few dozen
 samples: on this shared machine they came out at 0.3 one run and 6.9 the next, and a
@@ -55,6 +65,7 @@ from bench.blocking_docker import BlockingDocker
 from bench.live_latency import _wait_warm
 from bench.replay_live import DEFAULT_NODES
 from bench.sim.profile import OPS, Profile
+from bench.soak import pool_containers
 from dsec.client import Client, DsecError, Sandbox
 from dsec.image import BASE_IMAGE, ensure_base_image
 from dsec.launch.local import LocalPool, LocalPoolError, LocalPoolSpec
@@ -62,8 +73,10 @@ from dsec.models import Capacity, PoolParams, TemplateSpec
 
 CONCURRENCY = (2, 4, 8)  # creates and removes timed this many at a time, besides one at a time
 LOAD_LEVELS = (0, 1, 2, 4)  # engine operations under way while warm acquires are timed
-COMMAND_SANDBOXES = 32  # sandboxes running commands while warm acquires are timed
+COMMAND_SANDBOXES = 64  # sandboxes running commands while a burst is timed
 COMMAND_S = 1.0  # how long each of their commands runs
+BURST = 36  # cold acquires at once, a burst
+BURST_SETTLE_S = 60.0  # at most this long for a burst's sandboxes to be removed
 BATCH = 10  # warm sandboxes per turn of acquires
 # a warm acquire's tail is the schedule latency's: leases get this many times the samples
 LEASE_SAMPLES_FACTOR = 3
@@ -266,9 +279,9 @@ class CommandLoad:
 
 async def pool_samples(
     engine: Engine, n: int, nodes: int
-) -> tuple[Samples, LoadedSamples, list[float]]:
-    """The exec and lease samples, alone and under load, and warm acquires beside
-    commands in flight."""
+) -> tuple[Samples, LoadedSamples, dict[int, list[float]], list[float]]:
+    """The exec and lease samples, alone and under load; and bursts' seconds per
+    create, by the engine's load and beside commands in flight."""
     spec = LocalPoolSpec(
         name=f"calibrate-{uuid.uuid4().hex[:6]}", nodes=nodes, port=0,
         capacity=Capacity(cpus=64, memory_mb=65536, slots=64),
@@ -276,6 +289,7 @@ async def pool_samples(
     )  # fmt: skip
     samples: Samples = {"exec": []}
     by_level: dict[int, list[float]] = {k: [] for k in LOAD_LEVELS}
+    bursts: dict[int, list[float]] = {k: [] for k in LOAD_LEVELS}
     beside_commands: list[float] = []
     async with (
         LocalPool(spec) as pool,
@@ -290,22 +304,65 @@ async def pool_samples(
                 await sb.exec(["true"])
                 samples["exec"].append(time.perf_counter() - started)
         engine_load, commands = EngineLoad(engine), CommandLoad(client, "load")
+        leases = n * LEASE_SAMPLES_FACTOR
+        while min(len(s) for s in by_level.values()) < leases:
+            for k in LOAD_LEVELS:
+                by_level[k] += await _acquire_turn(
+                    operator, client, lambda k=k: engine_load.start(k), engine_load.stop
+                )
         await commands.open()
         try:
-            leases = n * LEASE_SAMPLES_FACTOR
-            while min(len(s) for s in (*by_level.values(), beside_commands)) < leases:
+            for _ in range(burst_rounds(n)):
                 for k in LOAD_LEVELS:
-                    by_level[k] += await _acquire_turn(
-                        operator, client, lambda k=k: engine_load.start(k), engine_load.stop
-                    )
-                beside_commands += await _acquire_turn(
-                    operator, client, commands.start, commands.stop
-                )
+                    bursts[k].append(
+                        await _burst(client, pool, lambda k=k: engine_load.start(k),
+                                     engine_load.stop, held=len(commands.held))
+                    )  # fmt: skip
+                beside_commands.append(
+                    await _burst(client, pool, commands.start, commands.stop,
+                                 held=len(commands.held))
+                )  # fmt: skip
         finally:
             await commands.close()
     samples["lease"] = by_level[0][:leases]
     under_load = {"lease": {k: by_level[k][:leases] for k in LOAD_LEVELS if k}}
-    return samples, under_load, beside_commands[:leases]
+    return samples, under_load, bursts, beside_commands
+
+
+def burst_rounds(n: int) -> int:
+    """Bursts per load for `n` samples an operation: a burst is BURST samples of the
+    pool's creates in one figure, and each takes seconds."""
+    return max(1, n // 15)
+
+
+async def _burst(
+    client: Client,
+    pool: LocalPool,
+    start: Callable[[], None],
+    stop: Callable[[], Awaitable],
+    held: int,
+) -> float:
+    """Seconds per create of BURST cold acquires at once on the pool `load` (no warm
+    sandbox), while a background load runs; once they are released, their removals are
+    waited for (the pool's containers back to the `held` ones), so that they do not
+    load the next burst."""
+    start()
+    try:
+        await asyncio.sleep(LOAD_SETTLE_S)
+        started = time.perf_counter()
+        got = await asyncio.gather(
+            *(client.acquire(pool="load", timeout=BURST_SETTLE_S) for _ in range(BURST))
+        )
+        took = time.perf_counter() - started
+    finally:
+        await stop()
+    await asyncio.gather(*(sb.release() for sb in got))
+    deadline = time.perf_counter() + BURST_SETTLE_S
+    while await asyncio.to_thread(pool_containers, pool.node_ids) > held:
+        if time.perf_counter() > deadline:
+            raise RuntimeError(f"a burst's sandboxes were not removed in {BURST_SETTLE_S:g} s")
+        await asyncio.sleep(0.2)
+    return took / BURST
 
 
 def exec_weight(rates_per_s: dict[str, float]) -> float:
@@ -353,13 +410,13 @@ def equivalent_load(slowdown: Callable[[float], float], ratio: float) -> float:
     return (low + high) / 2
 
 
-def command_weight(lease_slowdown: Callable[[float], float], alone: list[float],
+def command_weight(slowdown: Callable[[float], float], alone: list[float],
                    beside_commands: list[float]) -> float:  # fmt: skip
     """How many operations' worth of load one command in flight is: the load at which
-    leases slow down as much as they did beside COMMAND_SANDBOXES commands, shared
-    out among them."""
+    the probe (`slowdown`, its durations `alone`) slows down as much as it did beside
+    COMMAND_SANDBOXES commands, shared out among them."""
     ratio = statistics.median(beside_commands) / statistics.median(alone)
-    return equivalent_load(lease_slowdown, ratio) / COMMAND_SANDBOXES
+    return equivalent_load(slowdown, ratio) / COMMAND_SANDBOXES
 
 
 def calibrate(n: int, nodes: int = DEFAULT_NODES) -> Profile:
@@ -368,7 +425,7 @@ def calibrate(n: int, nodes: int = DEFAULT_NODES) -> Profile:
     engine = Engine()
     try:
         samples, under_load, rates = docker_samples(engine, n)
-        pooled, pooled_loaded, beside_commands = asyncio.run(pool_samples(engine, n, nodes))
+        pooled, pooled_loaded, bursts, beside_commands = asyncio.run(pool_samples(engine, n, nodes))
     finally:
         engine.sweep()
         engine.driver.close()
@@ -381,9 +438,12 @@ def calibrate(n: int, nodes: int = DEFAULT_NODES) -> Profile:
                       under_load=under_load,
                       engine_rates_per_s={op: round(r, 2) for op, r in rates.items()})  # fmt: skip
     profile.exec_weight = round(exec_weight(profile.engine_rates_per_s), 3)
+    # a burst's seconds per create, by load, as a profile of its own for its slowdowns
+    burst = Profile(
+        {"create": bursts[0]}, under_load={"create": {k: v for k, v in bursts.items() if k}}
+    )
     profile.command_weight = round(
-        command_weight(lambda k: profile.slowdown("lease", k), samples["lease"], beside_commands),
-        4,
+        command_weight(lambda k: burst.slowdown("create", k), bursts[0], beside_commands), 4
     )
     profile.source = (
         f"calibrated here, {n} samples per operation and load; create median "
