@@ -31,6 +31,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from bench.calibrate import COMMAND_S, COMMAND_SANDBOXES, CommandLoad, Engine, EngineLoad
+from bench.host_cpu import host_jiffies
 from bench.replay_live import DEFAULT_NODES
 from bench.soak import run_to_report
 from dsec.client import Client
@@ -41,18 +42,6 @@ from dsec.tables import format_table
 
 PHASES = ("idle", "commands", "1 operation", "2 operations")
 SETTLE_S = 0.5  # a phase's load runs this long before its cores are counted
-
-
-def busy_jiffies(stat_line: str) -> tuple[int, int]:
-    """(busy, all) clock ticks of the machine's `cpu` line of /proc/stat: busy is all
-    but idle and iowait (of its first eight: guest time is counted in user time too)."""
-    fields = [int(v) for v in stat_line.split()[1:9]]
-    return sum(fields) - fields[3] - fields[4], sum(fields)
-
-
-def _machine_jiffies() -> tuple[int, int]:
-    with open("/proc/stat") as f:
-        return busy_jiffies(f.readline())
 
 
 def cores_busy(before: tuple[int, int], after: tuple[int, int], cores: int) -> float:
@@ -76,9 +65,9 @@ async def _cores_while(
     start()
     try:
         await asyncio.sleep(SETTLE_S)
-        before = _machine_jiffies()
+        before = host_jiffies()
         await asyncio.sleep(seconds)
-        after = _machine_jiffies()
+        after = host_jiffies()
     finally:
         await stop()
     return cores_busy(before, after, os.cpu_count() or 1)

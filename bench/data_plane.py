@@ -82,6 +82,7 @@ import aiohttp
 from aiodocker.containers import DockerContainer
 
 from agent.docker_driver import LABEL_SANDBOX
+from bench.host_cpu import host_jiffies
 from bench.soak import Teardown, bench_spec, local_pool, run_to_report
 from bench.stats import latency_summary, summary_ms
 from dsec.client import Client, Sandbox
@@ -290,13 +291,12 @@ class CpuProbe:
 
     def sample(self) -> CpuSample:
         stat = Path(f"/proc/{self.agent_pid}/stat").read_text().rsplit(")", 1)[1].split()
-        cpu = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-        idle = cpu[3] + cpu[4]  # idle, iowait
+        busy, total = host_jiffies()
         return CpuSample(
             at=time.perf_counter(),
             agent_s=(int(stat[11]) + int(stat[12])) / CLK_TCK,  # utime, stime
-            host_busy_s=(sum(cpu[:8]) - idle) / CLK_TCK,
-            host_all_s=sum(cpu[:8]) / CLK_TCK,
+            host_busy_s=busy / CLK_TCK,
+            host_all_s=total / CLK_TCK,
         )
 
 

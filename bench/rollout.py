@@ -78,6 +78,7 @@ from bench.burst import (
 )
 from bench.churn import pool_churn
 from bench.engine_floor import ENGINE_ERRORS, EngineFloor
+from bench.host_cpu import host_jiffies
 from bench.rollout_repo import (
     RESULT,
     ROOT,
@@ -367,13 +368,6 @@ def containers_cpu_s() -> float | None:
             return int(usage) * unit if usage is not None else None
         return int(text) * unit
     return None
-
-
-def host_jiffies() -> tuple[int, int]:
-    """The machine's busy and total CPU time so far (/proc/stat, jiffies)."""
-    fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
-    return sum(fields) - idle, sum(fields)
 
 
 @dataclass

@@ -17,8 +17,8 @@ from bench.calibrate import (
     command_weight,
     exec_weight,
 )
-from bench.command_cpu import busy_jiffies, cores_busy
 from bench.command_cpu import command_weight as command_cpu_weight
+from bench.command_cpu import cores_busy
 from bench.fidelity import (
     add_fidelity_arguments,
     fidelity,
@@ -26,6 +26,7 @@ from bench.fidelity import (
     render,
     run_fidelity,
 )
+from bench.host_cpu import busy_jiffies
 from bench.sim.profile import OPS, Profile
 from dsec.models import PoolParams
 from dsec.trace import Episode, Step, dump_trace
