@@ -50,7 +50,9 @@ agent's own driver has.
 4. Files: `--file-mib` MiB of random bytes uploaded (`PUT .../files?path=/work/f`) and
    downloaded (`GET`), bytes compared, MiB/s each way (median of `--file-reps`);
    baseline: the same bytes through Engine API execs of `cat > /work/g` and
-   `cat /work/g`. Target: >= 50 MiB/s each way.
+   `cat /work/g`. Target: >= 50 MiB/s each way. Beside them, in turn, the machine's
+   ceiling for any route over TCP (`loopback`): the same bytes between two blocking
+   sockets on loopback, no HTTP, each byte copied once either side.
 
 Prints a table (or, with --json, the report: `figures` is a list of {name, figure,
 baseline, ratio, target, met}, `details` holds every distribution). Exits 1 when a
@@ -68,8 +70,11 @@ import contextlib
 import json
 import os
 import re
+import socket
 import statistics
 import sys
+import tempfile
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -724,10 +729,72 @@ async def engine_streaming(e: EnginePath, samples: int, n_ticks: int) -> dict:
 # --- 4. files -----------------------------------------------------------------------
 
 
+def loopback_seconds(data: bytes) -> tuple[float, float]:
+    """The most any route over TCP could move `data` at on this machine: seconds up (over
+    one loopback connection between two blocking sockets into a file under /dev/shm) and
+    down (sent from that file by sendfile, read into a buffer made beforehand), no HTTP,
+    no event loop, each byte copied once on either side."""
+    size = len(data)
+    with (
+        socket.create_server(("127.0.0.1", 0)) as server,
+        tempfile.TemporaryDirectory(dir="/dev/shm") as scratch,
+    ):
+        port, path = server.getsockname()[1], os.path.join(scratch, "f")
+
+        def receive_up() -> None:
+            conn, _ = server.accept()
+            with conn, open(path, "wb", buffering=0) as f:
+                buf, got = memoryview(bytearray(MIB)), 0
+                while got < size:
+                    n = conn.recv_into(buf)
+                    if not n:
+                        raise BenchError(f"the loopback upload ended at {got} bytes")
+                    f.write(buf[:n])
+                    got += n
+                conn.sendall(b"k")
+
+        def send_down() -> None:
+            conn, _ = server.accept()
+            with conn, open(path, "rb") as f:
+                conn.sendfile(f)
+
+        received = bytearray(size)
+        received[:] = data  # its pages touched before the clock starts
+        received[0] ^= 1  # and one byte wrong, so the check below sees it overwritten
+        seconds = []
+        for other_end, move in ((receive_up, _send_all), (send_down, _receive_into)):
+            peer = threading.Thread(target=other_end)
+            peer.start()
+            try:
+                with socket.create_connection(("127.0.0.1", port)) as conn:
+                    started = time.perf_counter()
+                    move(conn, data, received)
+                    seconds.append(time.perf_counter() - started)
+            finally:
+                peer.join()
+        if received != data:
+            raise BenchError("the loopback download gave back other bytes")
+    return seconds[0], seconds[1]
+
+
+def _send_all(conn: socket.socket, data: bytes, _: bytearray) -> None:
+    conn.sendall(data)
+    conn.recv(1)  # the receiver has written the last byte
+
+
+def _receive_into(conn: socket.socket, _: bytes, received: bytearray) -> None:
+    view, got = memoryview(received), 0
+    while got < len(received):
+        n = conn.recv_into(view[got:])
+        if not n:
+            raise BenchError(f"the loopback download ended at {got} bytes")
+        got += n
+
+
 async def files(a: AgentPath, e: EnginePath, mib: int, reps: int) -> dict:
     data = os.urandom(mib * MIB)
-    up: dict[str, list[float]] = {"agent": [], "engine": []}
-    down: dict[str, list[float]] = {"agent": [], "engine": []}
+    up: dict[str, list[float]] = {"agent": [], "engine": [], "loopback": []}
+    down: dict[str, list[float]] = {"agent": [], "engine": [], "loopback": []}
 
     async def agent_rep() -> None:
         up["agent"].append(await timed(lambda: a.put("/work/f", data)))
@@ -759,13 +826,19 @@ async def files(a: AgentPath, e: EnginePath, mib: int, reps: int) -> dict:
         if got[0] != data:
             raise BenchError(f"the engine gave back {len(got[0])} other bytes for /work/g")
 
+    async def loopback_rep() -> None:
+        up_s, down_s = await asyncio.to_thread(loopback_seconds, data)
+        up["loopback"].append(up_s)
+        down["loopback"].append(down_s)
+
     await agent_rep()  # warm-up: the first write grows the tmpfs
     await engine_rep()
     for k in (up, down):
         for v in k.values():
             v.clear()
     for i in range(reps):
-        for rep in (agent_rep, engine_rep) if i % 2 == 0 else (engine_rep, agent_rep):
+        paths = (agent_rep, engine_rep, loopback_rep)
+        for rep in paths if i % 2 == 0 else paths[::-1]:
             await rep()
 
     def rates(seconds: list[float]) -> dict:
@@ -877,10 +950,12 @@ def judge(d: dict, concurrency: int) -> list[dict]:
     for way in ("upload", "download"):
         rates = f[f"{way}_mib_s"]
         agent, engine = rates["agent"]["median"], rates["engine"]["median"]
+        loopback = rates["loopback"]["median"]
         out.append(figure(
             f"files: {f['mib']} MiB {way}, median of {f['reps']}, agent route vs Engine API exec",
             agent, engine, "MiB/s", f"figure >= {FILES_TARGET_MIBS} MiB/s",
             agent >= FILES_TARGET_MIBS, min=[rates["agent"]["min"], rates["engine"]["min"]],
+            loopback=loopback, loopback_vs_engine=round(loopback / engine, 2),
         ))  # fmt: skip
     return out
 
@@ -1029,8 +1104,9 @@ def render(r: dict) -> str:
         lines.append(f"  batches: {json.dumps(e.get('batches'))}")
     f = d["files"]
     for way in ("upload", "download"):
-        lines.append(f"files {way} MiB/s: agent {f[f'{way}_mib_s']['agent']['each']}, "
-                     f"engine {f[f'{way}_mib_s']['engine']['each']}")  # fmt: skip
+        rates = f[f"{way}_mib_s"]
+        each = {path: rates[path]["each"] for path in ("agent", "engine", "loopback")}
+        lines.append(f"files {way} MiB/s: " + ", ".join(f"{k} {v}" for k, v in each.items()))
     lines.append(f"stage seconds: {r['seconds']}")
     lines.append(f"containers: swept at stop {r['containers_swept_at_stop']}, "
                  f"left after stop {r['containers_left_after_stop']}")  # fmt: skip

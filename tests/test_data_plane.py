@@ -20,6 +20,7 @@ import pytest_asyncio
 from conftest import eventually, make_spec, metric_value, started_pool
 
 from agent.docker_driver import KEEPER_USER, LABEL_SANDBOX
+from bench.data_plane import loopback_seconds
 from dsec.client import Client, Sandbox
 from dsec.httpkit import BODY_IDLE_TIMEOUT_S
 from dsec.launch.local import LocalPool
@@ -94,6 +95,13 @@ async def stream(
             else:
                 return chunks, json.loads(msg.data), sent
     raise AssertionError(f"the stream closed without a last message; got {chunks}")
+
+
+def test_the_benchmark_s_loopback_ceiling_moves_the_bytes_each_way_and_times_both():
+    """bench.data_plane's ceiling for any route over TCP (no sandbox): what went up is
+    what came down (it checks, and would raise), each way timed on its own."""
+    up_s, down_s = loopback_seconds(os.urandom(4 * MiB))
+    assert 0 < up_s < 60 and 0 < down_s < 60
 
 
 # --- one-shot commands ---------------------------------------------------------------
