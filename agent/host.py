@@ -157,6 +157,42 @@ class LoopProcess:
         return (exe.st_dev, exe.st_ino) == (program.st_dev, program.st_ino)
 
 
+def _real_uid(pid: int) -> str | None:
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return None
+    return next((line.split()[1] for line in status.splitlines() if line.startswith("Uid:")), None)
+
+
+def booted_loop(init_pid: int, container_id: str, shell: os.stat_result) -> LoopProcess | None:
+    """The command loop that container `container_id`'s boot started (agent/resident.py:
+    boot_script), looked for right after the boot said so, before any lease: the one
+    process other than init and the template's command that runs the node's shell
+    `shell` as init's user (LOOP_USER; the template's command of a sandbox that may be
+    recycled runs as KEEPER_USER). None when there is not exactly one (a reset then
+    kills what it does not know, and the loop is started again), or when the host's
+    side cannot be reached from here."""
+    try:
+        sandbox = HostSandbox(init_pid, container_id)
+    except Unavailable:
+        return None
+    try:
+        pids = sandbox.pids()
+        loop_uid = _real_uid(init_pid)
+        found = [
+            loop
+            for pid in pids - {init_pid, sandbox.main(pids)}
+            if (loop := LoopProcess.of(pid)) is not None
+            and loop.runs(shell)
+            and loop_uid is not None
+            and _real_uid(pid) == loop_uid
+        ]
+        return found[0] if len(found) == 1 else None
+    finally:
+        sandbox.close()
+
+
 def _inherited(pid: int) -> tuple[str, ...] | None:
     """What a process of the same user may change in another without reaching into its
     memory, and the commands it starts inherit: resource limits, nice value, CPU

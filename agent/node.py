@@ -34,7 +34,7 @@ from agent.docker_driver import (
 from agent.engine import EngineWideCreates, Work
 from agent.execs import Execs
 from agent.files import Files
-from agent.host import Unavailable, reset_from_host
+from agent.host import LoopProcess, Unavailable, booted_loop, reset_from_host
 from agent.metrics import AgentMetrics
 from agent.reset import leftovers, main_of, reset_dirs, reset_script, split_reset_output
 from agent.resident import BOOTED, NO_COMMAND, Resident
@@ -288,6 +288,7 @@ class Agent:
         started its command loop itself (agent/resident.py). A template command the
         image lacks is the engine's start_failed, as when the engine looks for it."""
         record = sandbox.record
+        sandbox.loop = None  # a new container: a loop a reset keeps is one of its own
         resident_dir = self.resident.prepare(sandbox)  # a few small local writes
         entrypoint = await self.resident.entrypoint(sandbox) if resident_dir else None
         if entrypoint is None and resident_dir is not None:  # a loop needs its boot
@@ -319,14 +320,28 @@ class Agent:
             )
         if said != BOOTED:
             log.warning("sandbox %s: its container's boot said %r: loop by exec", record.id, said)
-        # a recyclable template's loop is started by an engine exec, whose PID a reset
-        # knows (and so may keep the loop for the next lease)
-        return said == BOOTED and not sandbox.spec.recyclable
+            return False
+        if spec.recyclable:
+            # a reset keeps the loop it knows (agent/host.py), and so saves the next
+            # lease an engine exec to start it again: this one, found from the host
+            sandbox.loop = await self._booted_loop(sandbox)
+        return True
+
+    async def _booted_loop(self, sandbox: Sandbox) -> LoopProcess | None:
+        shell = self.resident.node_shell()
+        try:
+            init = await sandbox.container_init(self.docker)
+        except DockerOpError as e:
+            self.docker_failed(e)
+            return None
+        if shell is None or init is None:
+            return None
+        return booted_loop(init, sandbox.record.container_id, shell)
 
     def loop_started_with(self, sandbox: Sandbox, booted: bool) -> None:
         """A new container's loop: started with it, or by an engine exec from here on."""
         if booted:
-            sandbox.loop, sandbox.resident_tried_at = None, self.clock.now()
+            sandbox.resident_tried_at = self.clock.now()
         else:
             sandbox.resident_tried_at = None
             self.resident.ensure_loop(sandbox)

@@ -9,11 +9,12 @@ pipes in a directory of its own per sandbox, bind-mounted read-only at `/.dsec`:
 - `serve`, the loop (serve_script), as LOOP_USER (root in the container, with only the
   capabilities to become the sandbox's user: agent/docker_driver.py): started with the
   container by `boot` (boot_script, its entrypoint, which then runs the template's
-  command as the sandbox's user) for a template that may not be recycled, else by one
-  detached engine exec once the sandbox exists: for a warm sandbox when no more urgent
-  work waits for the engine (`Work.RESIDENT`), for a new container's leased sandbox at
-  once, as a client's work (`Resident.hurry`), since each of its commands until then
-  costs the engine an exec as the start does;
+  command as the sandbox's user, or KEEPER_USER for a template that may be recycled,
+  whose reset keeps the loop: agent/host.py). Where that loop is gone (a reset that
+  could not keep it, a boot that never said so), by one detached engine exec: for a
+  warm sandbox when no more urgent work waits for the engine (`Work.RESIDENT`), for a
+  new container's leased sandbox at once, as a client's work (`Resident.hurry`), since
+  each of its commands until then costs the engine an exec as the start does;
 - `booted`, a pipe on which the boot says whether it started the loop, or found no
   template command to run;
 - `sh`, the shell the loop runs in: the host's static busybox, execute-only (mode 0111,
@@ -159,21 +160,20 @@ DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 # of the same names; the command then replaces the boot's shell as `main_user`, the
 # sandbox's user (KEEPER_USER for a template that may be recycled), with its own
 # argv[0]. A command not there is said on `booted` (the agent refuses the template, as
-# the engine refuses to start a command it cannot find). With `start_loop` (a template
-# that may not be recycled, whose loop a reset never keeps) the boot starts the loop
-# too, which then costs the engine no exec (about 40 ms of its work per sandbox, taken
-# while creates wait) and serves the sandbox's first command: ctl is held open from
-# before the loop starts (the loop inherits it), so a command id written as soon as
-# the agent hears "booted" waits in the pipe for the loop. The loop is orphaned at
-# once, for the sandbox's init to reap.
-def boot_script(main_user: tuple[int, int], start_loop: bool) -> str:
+# the engine refuses to start a command it cannot find). The boot starts the loop too,
+# which then costs the engine no exec (about 40 ms of its work per sandbox, taken while
+# creates wait) and serves the sandbox's first command: ctl is held open from before
+# the loop starts (the loop inherits it), so a command id written as soon as the agent
+# hears "booted" waits in the pipe for the loop. The loop is orphaned at once, for the
+# sandbox's init to reap; the agent finds it from the host where a reset is to keep it
+# (agent/host.py: booted_loop).
+def boot_script(main_user: tuple[int, int]) -> str:
     uid, gid = main_user
     booted = f"1<>{MOUNT}/booted"
-    started = f"echo {BOOTED.decode()} {booted}\n"
-    if start_loop:
-        started = f"""exec 3<>{MOUNT}/ctl
+    started = f"""exec 3<>{MOUNT}/ctl
 ( {MOUNT}/{SHELL} {MOUNT}/serve </dev/null >/dev/null 2>&1 & )
-{started}exec 3<&-
+echo {BOOTED.decode()} {booted}
+exec 3<&-
 """
     return f"""\
 set -f
@@ -452,7 +452,7 @@ class Resident:
         (path / "serve").write_text(serve_script(*ids))
         main = numeric_user(KEEPER_USER) if sandbox.spec.recyclable else ids
         assert main is not None
-        (path / "boot").write_text(boot_script(main, start_loop=not sandbox.spec.recyclable))
+        (path / "boot").write_text(boot_script(main))
         for script in ("serve", "boot"):
             (path / script).chmod(0o600)  # the loop's alone: see LOOP_USER
         _make_fifo(path / "ctl")

@@ -24,10 +24,6 @@ arrives at i * window / size; its latency runs from its arrival to its answer):
 In that order; between phases the pool just used is drained (the announced one, last,
 is ended with a prewarm of count 0 and removed by the stop). Exits 1 when a target is
 missed (a feature not there yet is a miss, said as such), or a container is left behind.
-
-With `--plain-template`, the pool's base template may not be recycled (`recyclable`
-false, a template's default), so its sandboxes start their command loop with their
-container instead of by an engine exec each (agent/resident.py); the floor is the same.
 """
 
 from __future__ import annotations
@@ -49,9 +45,8 @@ from bench.engine_floor import BURST_THREADS, EngineFloor
 from bench.soak import Teardown, drain, local_pool, run_to_report
 from bench.stats import summary_ms
 from dsec.client import Client, DsecError, Sandbox
-from dsec.image import BASE_IMAGE
 from dsec.launch.local import LocalPoolSpec
-from dsec.models import Capacity, PoolParams, TemplateSpec
+from dsec.models import Capacity, PoolParams
 from dsec.processes import interrupt_on_termination
 from dsec.tables import format_table
 
@@ -70,17 +65,12 @@ CALL_ERRORS = (DsecError, aiohttp.ClientError, TimeoutError)
 # --- shared with bench.churn --------------------------------------------------------
 
 
-def issue_spec(kind: str, plain_template: bool = False) -> LocalPoolSpec:
-    """Issue 12's pool: 3 nodes with room for 300, pool `default` on default parameters;
-    with `plain_template`, its base template may not be recycled (a template's default),
-    so its sandboxes start their command loop with their container (agent/resident.py)."""
-    spec = LocalPoolSpec(
+def issue_spec(kind: str) -> LocalPoolSpec:
+    """Issue 12's pool: 3 nodes with room for 300, pool `default` on default parameters."""
+    return LocalPoolSpec(
         name=f"bench-{kind}-{uuid.uuid4().hex[:6]}", nodes=NODES, port=0,
         capacity=NODE_CAPACITY, pool=PoolParams(), state_dir=Path(tempfile.mkdtemp()),
     )  # fmt: skip
-    if plain_template:
-        spec.templates = {"base": TemplateSpec(name="base", image=BASE_IMAGE)}
-    return spec
 
 
 async def wait_warm(
@@ -338,10 +328,9 @@ async def refill_phase(
 async def run(args: argparse.Namespace) -> dict:
     teardown = Teardown()
     report: dict = {"size": args.size, "window_s": args.window_s, "nodes": NODES,
-                    "slots": NODES * NODE_CAPACITY.slots,
-                    "template_recyclable": not args.plain_template}  # fmt: skip
+                    "slots": NODES * NODE_CAPACITY.slots}  # fmt: skip
     with EngineFloor(BURST_THREADS) as floor:
-        async with local_pool(issue_spec("burst", args.plain_template), teardown) as pool:
+        async with local_pool(issue_spec("burst"), teardown) as pool:
             url, admin = pool.url, pool.tokens.admin
             async with (
                 Client(url, token=admin) as operator,
@@ -420,9 +409,8 @@ def targets(r: dict, args: argparse.Namespace) -> list[dict]:
 
 
 def render(r: dict) -> str:
-    recyclable = "" if r["template_recyclable"] else ", base template not recyclable"
     lines = [f"burst of {r['size']} acquires in {r['window_s']:g} s, {r['nodes']} nodes, "
-             f"room for {r['slots']}{recyclable}", ""]  # fmt: skip
+             f"room for {r['slots']}", ""]  # fmt: skip
     rows = []
     phases = {
         "floor": f"floor (SDK, {r['floor']['threads']} threads)",
@@ -496,12 +484,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warm-interval-s", type=float, default=0.1)
     parser.add_argument("--skip-prewarm", action="store_true")
     parser.add_argument("--skip-refill", action="store_true")
-    parser.add_argument(
-        "--plain-template",
-        action="store_true",
-        help="the pool's base template may not be recycled (a template's default): its "
-        "sandboxes start their command loop with their container, not by an engine exec",
-    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     room = NODES * NODE_CAPACITY.slots

@@ -49,7 +49,7 @@ def test_a_prewarm_that_said_it_could_not_is_not_held_to_it():
 def test_the_report_renders_every_phase_with_its_targets():
     r = report(True, warm=199, p99=80.0)
     summary = r["announced"]["client_ms"]
-    r |= {"size": 200, "window_s": 1.0, "nodes": 3, "slots": 300, "template_recyclable": True}
+    r |= {"size": 200, "window_s": 1.0, "nodes": 3, "slots": 300}
     r["floor"] |= {"threads": 32, "served": 200}
     r["fresh"] |= {"paths": {"cold": 200}, "scale_events": {"create": 200}}
     r["announced"] |= {"prewarm_by": "client", "sandboxes_at_burst": {"warm": 200},

@@ -111,23 +111,23 @@ def test_a_simulated_run_reports_every_field():
     assert report["scale_events"]["create"] >= 1 and report["scale_events"]["release"] == 60
     assert result.meta["mode"] == "sim" and result.timeline
     # what its engines were asked, as Docker's events name it: a container made and
-    # started, and its command loop started by an engine exec, for each create; an end
-    # for each release (recycle is off: its sandbox is killed), the removal later
+    # started for each create (its command loop booted with it: no exec); an end for
+    # each release (recycle is off: its sandbox is killed), the removal later
     events = result.meta["engine_events"]
     assert events["create"] == events["start"] == report["scale_events"]["create"]
-    assert events["exec_start"] == events["create"]
+    assert "exec_start" not in events
     assert events["die"] == 60 and events["destroy"] <= events["die"]
 
 
 def test_a_recycled_sandbox_is_reset_from_the_host_not_by_an_engine_exec():
     """As live (agent/host.py reset_from_host): a release to a recycling pool costs the
-    engine nothing; its exec starts are the new sandboxes' command loops, one a create."""
+    engine nothing, and the reset keeps the command loop its container booted."""
     result = simulate(small_trace(), nodes=2, slots_per_node=40, seed=3,
                       params=PoolParams(recycle=True))  # fmt: skip
     events, actions = result.meta["engine_events"], build_report(result)["scale_events"]
     assert actions["recycle"] == 60
-    assert events["exec_start"] == events["create"] == actions["create"]
-    assert "die" not in events
+    assert events["create"] == actions["create"]
+    assert "die" not in events and "exec_start" not in events
 
 
 def test_episodes_per_hour_is_the_traces_rate_at_any_time_scale():
@@ -384,75 +384,34 @@ def one_node_with_a_sandbox_to_make(recyclable: bool):
     return VirtualTimeLoop(), agents, node, address, spec
 
 
-# how the simulator took a command: (the sandbox's loop runs, engine execs + 10 x
-# commands handed to the loop, under way)
-ENGINE_EXEC, TO_LOOP = (False, 1), (True, 10)
-
-
-@pytest.mark.parametrize(
-    ("recyclable", "handed", "exec_starts"),
-    [(True, [ENGINE_EXEC, TO_LOOP], 2), (False, [TO_LOOP, TO_LOOP], 0)],
-)
-def test_a_new_sandboxs_commands_are_engine_execs_until_its_command_loop_starts(
-    recyclable, handed, exec_starts
-):
-    """As live: a create of a template that may be recycled is followed by the
-    detached engine exec that starts the sandbox's command loop; a command before that
-    is an engine exec (the engine's work, with an exec rate), one after it is handed to
-    the loop (load only). A template that may not be recycled starts the loop with its
-    container (agent/resident.py, boot_script): its first command is the loop's, and the
-    engine does no exec for it."""
+@pytest.mark.parametrize("recyclable", [True, False])
+def test_a_new_sandboxs_commands_are_its_loops_from_the_first(recyclable):
+    """As live: every container starts its command loop itself (agent/resident.py,
+    boot_script), whether or not its template may be recycled (the agent finds the loop
+    from the host for a reset to keep): a command at once after the create is handed to
+    the loop (load only), and the engine does no exec for it. On the old code a
+    recyclable template's loop was started by a detached engine exec, and a command
+    before it was an engine exec too."""
     loop, agents, node, address, spec = one_node_with_a_sandbox_to_make(recyclable)
-    seen: list[tuple[bool, int]] = []
+    seen: list[tuple[int, int]] = []  # (engine execs, loop commands) under way, per command
 
     async def main() -> None:
         assert (await agents.create(address, spec)).ok
-        sb = node.sandboxes[spec.sandbox_id]
-        for _ in range(2):  # the first at once; the second once a loop's start is done
+        for _ in range(2):
             agents.run_command("n", spec.sandbox_id, loop.time(), 0.01, 1.0)
-            await asyncio.sleep(0)
+            await asyncio.sleep(0.005)  # inside the command's engine part
+            node.engine.load(loop.time())  # brought up to now
             windows = node.engine.in_windows
-            seen.append((sb.loop_started, windows[2] + 10 * windows[0]))
+            seen.append((windows[2], windows[0]))
             await asyncio.sleep(2.0)
 
     try:
         loop.run_until_complete(main())
     finally:
         loop.close()
-    assert seen == handed
+    assert seen == [(0, 1), (0, 1)]
     assert not node.engine.execs and not agents.background
-    # the loop's start and the command before it; none for a loop started with its container
-    assert agents.engine_events == Counter(create=1, start=1, exec_start=exec_starts)
-
-
-def test_commands_handed_over_before_the_loop_starts_take_it_once_it_runs():
-    """An episode's commands are handed to the simulated agent at once, at its acquire;
-    live, each takes the loop if the loop runs when the command starts. So those that
-    start after the loop did are the loop's, not engine execs: in a live run of 1,563
-    episodes the engine saw 6,168 exec starts where the simulator counted 8,232."""
-    loop, agents, node, address, spec = one_node_with_a_sandbox_to_make(recyclable=True)
-    seen: list[tuple[int, int]] = []  # (engine execs, loop commands) starting, per command
-
-    async def main() -> None:
-        assert (await agents.create(address, spec)).ok
-        # three commands of 0.5 s, 1 s apart, the first at once: before the loop runs
-        agents.run_commands("n", spec.sandbox_id, loop.time(), [0.0, 0.5, 0.5],
-                            [0.01] * 3, [0.5] * 3)  # fmt: skip
-        for _ in range(3):
-            await asyncio.sleep(0.005)  # inside each command's engine part
-            node.engine.load(loop.time())  # brought up to now
-            windows = node.engine.in_windows
-            seen.append((windows[2], windows[0]))
-            await asyncio.sleep(0.995)
-
-    try:
-        loop.run_until_complete(main())
-    finally:
-        loop.close()
-    assert seen == [(1, 0), (0, 1), (0, 1)]
-    # the loop's start and the first command
-    assert agents.engine_events["exec_start"] == 2
-    assert not node.sandboxes[spec.sandbox_id].engine_execs_ahead
+    assert agents.engine_events == Counter(create=1, start=1)
 
 
 def test_heartbeats_thinned_for_a_large_cluster_still_come_within_the_timeout(monkeypatch, caplog):

@@ -109,10 +109,6 @@ class SimSandbox:
     busy_s: float = 0.0  # commands run, all time (played ahead: may end in the future)
     busy_until: float = 0.0  # when its last command ends
     frozen_at: float | None = None  # when it was first frozen
-    loop_started: bool = False  # its command loop runs: commands need no engine exec
-    # until it does, its commands handed over and not yet started, as engine execs:
-    # (start, end of the engine's part, the window's id on its engine)
-    engine_execs_ahead: list[tuple[float, float, int]] = field(default_factory=list)
     _row: SandboxRow | None = None  # its last row, until what it was made from changes
 
     def __setattr__(self, name: str, value: object) -> None:
@@ -196,13 +192,11 @@ class Engine:
         # in the order they started (a dict, not a set of objects hashed by address: jobs
         # that end together end in that order, and their speeds add up in it, every run)
         self.jobs: dict[Job, None] = {}
-        # windows of load as a heap of (time, change, kind, id): kind 0 an exec's start
+        # windows of load as a heap of (time, change, kind): kind 0 an exec's start
         # through the sandbox's command loop, 1 a command in flight, 2 an exec's start
         # that the engine does (load as kind 0, and work); in_windows[kind] is how many
-        # are open. A window withdrawn before it opened has its id in `_withdrawn`
-        self._edges: list[tuple[float, int, int, int]] = []
-        self._window_ids = 0
-        self._withdrawn: set[int] = set()
+        # are open
+        self._edges: list[tuple[float, int, int]] = []
         self._weights = (profile.exec_weight, profile.command_weight)
         self.in_windows = [0, 0, 0]
         self._rates = profile.engine_rates_per_s
@@ -218,29 +212,21 @@ class Engine:
         self._last = 0.0  # when the jobs' work left was last brought up to date
         self._wakeup: asyncio.TimerHandle | None = None
 
-    def exec_window(self, start_s: float, end_s: float, by_engine: bool = True) -> int:
+    def exec_window(self, start_s: float, end_s: float, by_engine: bool = True) -> None:
         """An exec's start, from `start_s` (now or later) to `end_s`: an engine exec, or
-        (not `by_engine`) a command handed to the sandbox's command loop. Returns the
-        window's id, for `withdraw`."""
-        return self._window(start_s, end_s, 2 if by_engine else 0)
-
-    def withdraw(self, window_id: int) -> None:
-        """Take back a window that has not opened yet (its start is still ahead)."""
-        self._withdrawn.add(window_id)
+        (not `by_engine`) a command handed to the sandbox's command loop."""
+        self._window(start_s, end_s, 2 if by_engine else 0)
 
     def command_window(self, start_s: float, end_s: float) -> None:
         """A command in a sandbox, from `start_s` (now or later) to `end_s`."""
         if self._weights[1]:
             self._window(start_s, end_s, 1)
 
-    def _window(self, start_s: float, end_s: float, kind: int) -> int:
-        self._window_ids += 1
-        window_id = self._window_ids
-        heapq.heappush(self._edges, (start_s, 1, kind, window_id))
-        heapq.heappush(self._edges, (end_s, -1, kind, window_id))
+    def _window(self, start_s: float, end_s: float, kind: int) -> None:
+        heapq.heappush(self._edges, (start_s, 1, kind))
+        heapq.heappush(self._edges, (end_s, -1, kind))
         if self.jobs or self._exec_work:
             self._schedule(asyncio.get_running_loop())
-        return window_id
 
     def load(self, now: float) -> float:
         """How many operations run at `now` (which never goes back), with what runs in
@@ -285,13 +271,8 @@ class Engine:
     def _catch_up(self, now: float) -> None:
         """Bring every job's work left up to `now`, window edge by window edge."""
         edges = self._edges
-        withdrawn = self._withdrawn
         while edges and edges[0][0] <= now:
-            at, change, kind, window_id = heapq.heappop(edges)
-            if withdrawn and window_id in withdrawn:
-                if change < 0:  # both its edges are passed by
-                    withdrawn.discard(window_id)
-                continue
+            at, change, kind = heapq.heappop(edges)
             self._advance(at)
             self.in_windows[kind] += change
             if kind == 2 and change > 0 and self._exec_work:
@@ -529,11 +510,11 @@ class SimAgents:
         else:
             await asyncio.sleep(self.profile.draw(op, self.rng))
 
-    async def _engine_op(self, node: SimNode, op: str, work: Work, key: str | None = None) -> None:
+    async def _engine_op(self, node: SimNode, op: str, work: Work) -> None:
         engine_wide = contextlib.nullcontext()
         if work in CREATES and node.engine_wide is not None:
             engine_wide = node.engine_wide.slot(node.queue.creates.limit)
-        async with node.queue.turn(work, key), engine_wide:
+        async with node.queue.turn(work), engine_wide:
             started = asyncio.get_running_loop().time()
             await self._take(op, node)
             if work in CREATES:
@@ -622,38 +603,7 @@ class SimAgents:
         self.engine_events.update(("create", "start"))
         sb.state = S.WARM
         self._ready(sb.created_at)
-        self._start_loop(node, sb)
         return CallResult(True, 201, "ok", "")
-
-    def _start_loop(self, node: SimNode, sb: SimSandbox) -> None:
-        """As the live agent (agent/resident.py): a new container of a template that may
-        not be recycled starts its command loop itself; one that may be, by one detached
-        engine exec once no more urgent work waits. Until the loop runs, each of the
-        sandbox's commands is an engine exec; after, a fork inside the sandbox."""
-        if not sb.spec.template.recyclable:
-            sb.loop_started = True
-            return
-
-        async def by_exec() -> None:
-            await self._engine_op(node, "exec", Work.RESIDENT, key=sb.spec.sandbox_id)
-            self.engine_events["exec_start"] += 1
-            sb.loop_started = True
-            self._to_loop(node, sb)
-
-        self._later(by_exec())
-
-    def _to_loop(self, node: SimNode, sb: SimSandbox) -> None:
-        """The sandbox's loop has started: of its commands handed over before, those not
-        started yet take it, as live, where each command takes the loop if it runs when
-        the command starts, and the engine's exec only if not."""
-        now = asyncio.get_running_loop().time()
-        for start, end, window_id in sb.engine_execs_ahead:
-            if start > now:  # (its window has not opened: the engine has not seen it)
-                self.engine_events["exec_start"] -= 1
-                if window_id:
-                    node.engine.withdraw(window_id)
-                    node.engine.exec_window(start, end, by_engine=False)
-        sb.engine_execs_ahead.clear()
 
     def _ready(self, since: float) -> None:
         if self.on_ready is not None:
@@ -676,11 +626,8 @@ class SimAgents:
             node.occupy(sb.needs, +1)
             await self._engine_op(node, "restore", Work.CLIENT)
             self.engine_events.update(("create", "start"))
-            self._start_loop(node, sb)  # a new container
         sb.state, sb.frozen_at = S.LEASED, None
         sb.leased(grant)
-        if not sb.loop_started:  # as live (agent/resident.py hurry): its commands come now
-            node.queue.promote(sb.spec.sandbox_id, Work.CLIENT)
         sb.busy_until = max(sb.busy_until, asyncio.get_running_loop().time())
         return OK
 
@@ -706,7 +653,7 @@ class SimAgents:
         await self._engine_op(node, "commit", Work.FREEZE)
         await self._engine_op(node, "remove", Work.FREEZE)
         self.engine_events.update(("commit", "die", "destroy"))
-        sb.state, sb.loop_started = HIBERNATED_FROM[sb.state], False
+        sb.state = HIBERNATED_FROM[sb.state]
         node.occupy(sb.needs, -1)  # memory released: the files stay on disk
         return OK
 
@@ -777,20 +724,17 @@ class SimAgents:
         only when the profile says load matters). Returns how long they all take."""
         node = self.nodes[node_id]
         sb = node.sandboxes.get(sandbox_id)
-        by_engine = sb is None or not sb.loop_started
+        # every container boots its command loop (agent/resident.py: boot_script), so a
+        # sandbox's commands are the loop's; one gone meanwhile is the engine's to refuse
+        by_engine = sb is None
         if by_engine:
             self.engine_events["exec_start"] += len(took)
-        contended = self.profile.contended
-        if contended or (by_engine and sb is not None):
+        if self.profile.contended:
             at = start_s
             for think, engine, command in zip(thinks, engine_s, took, strict=True):
                 at += think
-                window_id = 0
-                if contended:
-                    window_id = node.engine.exec_window(at, at + engine, by_engine)
-                    node.engine.command_window(at, at + command)
-                if by_engine and sb is not None:  # until its loop starts (_to_loop)
-                    sb.engine_execs_ahead.append((at, at + engine, window_id))
+                node.engine.exec_window(at, at + engine, by_engine)
+                node.engine.command_window(at, at + command)
                 at += command
         busy_s = sum(took)
         duration = sum(thinks) + busy_s
