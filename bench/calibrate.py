@@ -24,7 +24,12 @@ through the agents, as a replay's queue of creates goes) are timed while LOAD_LE
 engine operations are under way beside the pool, and beside COMMAND_SANDBOXES
 sandboxes running `sleep` again and again; the operations' worth of load that slows a
 burst as much as the commands do (at most the highest of LOAD_LEVELS, the load
-measured), shared out among the commands, is a command's weight.
+measured), shared out among the commands, is a command's weight. The bursts measured
+alone also set the create rate the simulator is given: a pool's creates come slower
+than the driver's (the agents' and the control plane's own work for each, on the same
+cores, which the simulated agents do not take), so the rate is the one at which the
+simulator's own play of the burst takes as long a create (`pool_create_rate`), never
+above the driver's.
 
 Warm acquires were the probe for that weight once: since a running warm sandbox is
 served in the tick that claims it, its schedule time no longer slows with the machine's
@@ -45,6 +50,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
+import math
 import statistics
 import sys
 import tempfile
@@ -64,12 +71,14 @@ from agent.docker_driver import LABEL_NODE, LIFECYCLE_SLOTS, DockerOpError
 from bench.blocking_docker import BlockingDocker
 from bench.live_latency import _wait_warm
 from bench.replay_live import DEFAULT_NODES
+from bench.sim.engine import simulate
 from bench.sim.profile import OPS, Profile
 from bench.soak import pool_containers
 from dsec.client import Client, DsecError, Sandbox
 from dsec.image import BASE_IMAGE, ensure_base_image
 from dsec.launch.local import LocalPool, LocalPoolError, LocalPoolSpec
 from dsec.models import Capacity, PoolParams, TemplateSpec
+from dsec.trace import Episode, Step
 
 CONCURRENCY = (2, 4, 8)  # creates and removes timed this many at a time, besides one at a time
 LOAD_LEVELS = (0, 1, 2, 4)  # engine operations under way while warm acquires are timed
@@ -77,6 +86,14 @@ COMMAND_SANDBOXES = 64  # sandboxes running commands while a burst is timed
 COMMAND_S = 1.0  # how long each of their commands runs
 BURST = 36  # cold acquires at once, a burst
 BURST_SETTLE_S = 60.0  # at most this long for a burst's sandboxes to be removed
+# the calibration's burst as the simulator plays it: BURST acquires at once on a pool
+# with no warm sandbox, each holding its sandbox past the burst
+BURST_TRACE = [
+    Episode(episode=f"burst-{i}", arrival_s=0.0, steps=[Step(think_s=0.0, exec_s=BURST_SETTLE_S)])
+    for i in range(BURST)
+]
+BURST_POOL = PoolParams(min_warm=0, max_warm=0, templates=[])
+RATE_FIT_STEPS = 12  # halvings of the create rate: to 1/4096 of the engine's
 BATCH = 10  # warm sandboxes per turn of acquires
 # a warm acquire's tail is the schedule latency's: leases get this many times the samples
 LEASE_SAMPLES_FACTOR = 3
@@ -365,6 +382,42 @@ async def _burst(
     return took / BURST
 
 
+def pool_create_rate(
+    profile: Profile, seconds_per_create: float, nodes: int, engine_rate: float
+) -> float:
+    """The engine's create rate as a pool's own creates get it: the rate at which the
+    simulator, with `profile`, takes a burst of BURST cold acquires on `nodes` nodes
+    sharing one engine in `seconds_per_create` a create (the bursts measured alone,
+    `_burst`), found by halving; never above `engine_rate`, the agent's driver's on the
+    engine directly. What the pool pays that the driver does not, the agents' and the
+    control plane's own work for each create on the same cores, is the simulated
+    agents' to pay too: they take no processor time of their own."""
+
+    def simulated(rate: float) -> float:
+        trial = dataclasses.replace(
+            profile, engine_rates_per_s={**profile.engine_rates_per_s, "create": rate}
+        )
+        result = simulate(
+            BURST_TRACE,
+            nodes=nodes,
+            slots_per_node=BURST,
+            profile=trial,
+            shared_engine=True,
+            params=BURST_POOL,
+            horizon_s=BURST_SETTLE_S,
+        )
+        acquired = [r.acquired_at_s for r in result.records]
+        return (math.inf if None in acquired else max(acquired)) / BURST
+
+    if simulated(engine_rate) >= seconds_per_create:
+        return engine_rate
+    low, high = 0.0, engine_rate  # too slow at low, fast enough at high
+    for _ in range(RATE_FIT_STEPS):
+        middle = (low + high) / 2
+        low, high = (middle, high) if simulated(middle) > seconds_per_create else (low, middle)
+    return high
+
+
 def exec_weight(rates_per_s: dict[str, float]) -> float:
     """How many creates' worth of load one exec start is: its engine work against a
     create's, from the rates at which the engine completes each."""
@@ -437,6 +490,9 @@ def calibrate(n: int, nodes: int = DEFAULT_NODES) -> Profile:
     profile = Profile(samples, engine_concurrency=LIFECYCLE_SLOTS,
                       under_load=under_load,
                       engine_rates_per_s={op: round(r, 2) for op, r in rates.items()})  # fmt: skip
+    profile.engine_rates_per_s["create"] = round(
+        pool_create_rate(profile, statistics.median(bursts[0]), nodes, rates["create"]), 2
+    )
     profile.exec_weight = round(exec_weight(profile.engine_rates_per_s), 3)
     # a burst's seconds per create, by load, as a profile of its own for its slowdowns
     burst = Profile(
@@ -468,7 +524,8 @@ def describe(profile: Profile) -> str:
         f"exec weight {profile.exec_weight} (creates' worth of load)",
         f"command weight {profile.command_weight} (operations' worth of load in flight)",
     ]
-    lines += [f"engine {op} rate {rate} a second at most, alone"
+    lines += [f"engine {op} rate {rate} a second at most, "
+              + ("as the pool's own creates get it" if op == "create" else "alone")
               for op, rate in profile.engine_rates_per_s.items()]  # fmt: skip
     lines += [f"{op:8} {med_max(profile.samples[op])}" for op in OPS]
     for op, by_k in profile.under_load.items():
