@@ -29,6 +29,9 @@ class PendingRequest:
     personal: Personal | None = None  # the claim's own env, files and setup
     setup_ms: float | None = None  # the time its node took to apply `personal`
     spread: str | None = None  # a fork's: its copies go to different nodes where they can
+    # its client made its key for this acquire (AcquireRequest.new_key): nothing but
+    # this acquire's own retries, unanswered, can ask for the key's lease again
+    new_key: bool = False
     # its outcome: a lease, an ApiError, or cancelled when given up; set through answer,
     # fail and give_up, which also wake its waiters
     done: asyncio.Future[Lease] = field(default_factory=asyncio.Future)

@@ -113,6 +113,37 @@ def test_a_warm_acquire_is_answered_before_its_grant_or_the_tick_s_creates_are_s
     Harness(nodes=1, pools={"default": PoolParams(min_warm=1)}).run(scenario)
 
 
+def test_a_warm_acquire_with_a_key_is_answered_only_once_its_node_holds_the_lease():
+    """A key is the client's way to get the same lease back after a control plane
+    restart, which learns leases from the nodes' reports. Answered before its grant (the
+    old code), a control plane killed in between left the client a key whose lease no
+    node knew: its retry waited for a report that never came (503 lease_unreported,
+    tests/test_crash.py). The grant is answered first. Without a key, or with one the
+    client made for this acquire (`new_key`, the SDK's own), the client first."""
+
+    async def scenario(h: Harness) -> None:
+        await h.settle(5)  # the warm pool fills
+        answered: list[bool] = []  # whether the grant was answered when the client was
+        agents = h.scheduler.actuator.agents
+        grant = agents.lease
+
+        async def granting(*args):
+            result = await grant(*args)
+            answered.append(True)
+            return result
+
+        agents.lease = granting
+        keyed = await h.acquire(idempotency_key="k")
+        assert keyed.path == "warm" and answered == [True], answered
+        for first in ({}, {"idempotency_key": "new", "new_key": True}):
+            lease = await h.acquire(**first)
+            assert lease.path == "warm" and answered == [True], (first, answered)  # not yet
+            await h.granted(lease)
+            answered.pop()
+
+    Harness(nodes=1, pools={"default": PoolParams(min_warm=3)}).run(scenario)
+
+
 def test_a_warm_sandbox_its_node_no_longer_reports_is_not_served_before_its_grant():
     """A warm sandbox that died (with its engine) and that its node's report no longer
     lists is still warm in the view for the confirm grace. It is not served at once:
@@ -139,7 +170,9 @@ def test_a_lease_its_node_refuses_after_it_was_answered_ends_and_its_client_hear
     async def scenario(h: Harness) -> None:
         await h.settle(5)
         h.agents.inject("node-1", "lease", UNREACHABLE)
-        lease = await h.acquire(idempotency_key="ep-9")
+        # answered before its grant: a key the client made for it, as the SDK's (a key
+        # of its own it may send again is answered once its node holds the lease)
+        lease = await h.acquire(idempotency_key="ep-9", new_key=True)
         await h.granted(lease)
         await h.settle(2)
         assert lease.id not in h.on_agents()  # removed, never left leased to no one
