@@ -74,16 +74,27 @@ def _in_cgroup_of(pid: int, container_id: str) -> bool:
         return False
 
 
+def _status_values(pid: int, name: str) -> list[str] | None:
+    """The values of field `name` of /proc/PID/status; None when the process is gone or
+    its status has no such field."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return None
+    prefix = f"{name}:"
+    return next((line.split()[1:] for line in status.splitlines() if line.startswith(prefix)), None)
+
+
+def _real_uid(pid: int) -> str | None:
+    uids = _status_values(pid, "Uid")  # real, effective, saved, file system
+    return uids[0] if uids else None
+
+
 def is_init_of(pid: int, container_id: str) -> bool:
     """Whether process `pid` is the init of container `container_id`: PID 1 of its own
     PID namespace, in that container's cgroup. A PID kept from the engine's answer is
     taken again only so: it cannot be another's while it is."""
-    try:
-        status = Path(f"/proc/{pid}/status").read_text()
-    except OSError:
-        return False
-    lines = status.splitlines()
-    nspid = next((line.split()[1:] for line in lines if line.startswith("NSpid:")), [])
+    nspid = _status_values(pid, "NSpid") or []
     return len(nspid) > 1 and nspid[-1] == "1" and _in_cgroup_of(pid, container_id)
 
 
@@ -157,14 +168,6 @@ class LoopProcess:
         return (exe.st_dev, exe.st_ino) == (program.st_dev, program.st_ino)
 
 
-def _real_uid(pid: int) -> str | None:
-    try:
-        status = Path(f"/proc/{pid}/status").read_text()
-    except OSError:
-        return None
-    return next((line.split()[1] for line in status.splitlines() if line.startswith("Uid:")), None)
-
-
 def booted_loop(init_pid: int, container_id: str, shell: os.stat_result) -> LoopProcess | None:
     """The command loop that container `container_id`'s boot started (agent/resident.py:
     boot_script), looked for right after the boot said so, before any lease: the one
@@ -178,14 +181,15 @@ def booted_loop(init_pid: int, container_id: str, shell: os.stat_result) -> Loop
     except Unavailable:
         return None
     try:
-        pids = sandbox.pids()
         loop_uid = _real_uid(init_pid)
+        if loop_uid is None:
+            return None
+        pids = sandbox.pids()
         found = [
             loop
             for pid in pids - {init_pid, sandbox.main(pids)}
             if (loop := LoopProcess.of(pid)) is not None
             and loop.runs(shell)
-            and loop_uid is not None
             and _real_uid(pid) == loop_uid
         ]
         return found[0] if len(found) == 1 else None
@@ -343,15 +347,8 @@ def _own_group(pid: int) -> int | None:
     """Process `pid`'s group, by its host PGID, where the group is one of the
     container's own (as the container sees it: neither init's, 1, nor one led from
     outside, 0); None otherwise."""
-    try:
-        status = Path(f"/proc/{pid}/status").read_text()
-    except OSError:
-        return None
-    for line in status.splitlines():
-        if line.startswith("NSpgid:"):
-            ids = line.split()[1:]  # the host's PGID first, the container's last
-            return int(ids[0]) if len(ids) > 1 and int(ids[-1]) > 1 else None
-    return None
+    ids = _status_values(pid, "NSpgid") or []  # the host's PGID first, the container's last
+    return int(ids[0]) if len(ids) > 1 and int(ids[-1]) > 1 else None
 
 
 async def kill_command_from_host(init_pid: int, container_id: str, marker_entry: bytes) -> set[int]:

@@ -382,40 +382,56 @@ async def _burst(
     return took / BURST
 
 
+def simulated_burst(profile: Profile, create_rate: float, nodes: int) -> float:
+    """Seconds per create of the calibration's burst (BURST cold acquires at once) as the
+    simulator plays it on `nodes` nodes sharing one engine, with `profile` at
+    `create_rate` creates a second: the last acquire's time over BURST."""
+    trial = dataclasses.replace(
+        profile, engine_rates_per_s={**profile.engine_rates_per_s, "create": create_rate}
+    )
+    result = simulate(
+        BURST_TRACE,
+        nodes=nodes,
+        slots_per_node=BURST,
+        profile=trial,
+        shared_engine=True,
+        params=BURST_POOL,
+        horizon_s=BURST_SETTLE_S,
+    )
+    acquired = [r.acquired_at_s for r in result.records]
+    return (math.inf if None in acquired else max(acquired)) / BURST
+
+
 def pool_create_rate(
     profile: Profile, seconds_per_create: float, nodes: int, engine_rate: float
 ) -> float:
     """The engine's create rate as a pool's own creates get it: the rate at which the
-    simulator, with `profile`, takes a burst of BURST cold acquires on `nodes` nodes
-    sharing one engine in `seconds_per_create` a create (the bursts measured alone,
-    `_burst`), found by halving; never above `engine_rate`, the agent's driver's on the
-    engine directly. What the pool pays that the driver does not, the agents' and the
-    control plane's own work for each create on the same cores, is the simulated
-    agents' to pay too: they take no processor time of their own."""
-
-    def simulated(rate: float) -> float:
-        trial = dataclasses.replace(
-            profile, engine_rates_per_s={**profile.engine_rates_per_s, "create": rate}
-        )
-        result = simulate(
-            BURST_TRACE,
-            nodes=nodes,
-            slots_per_node=BURST,
-            profile=trial,
-            shared_engine=True,
-            params=BURST_POOL,
-            horizon_s=BURST_SETTLE_S,
-        )
-        acquired = [r.acquired_at_s for r in result.records]
-        return (math.inf if None in acquired else max(acquired)) / BURST
-
-    if simulated(engine_rate) >= seconds_per_create:
+    simulator's burst (`simulated_burst`) takes `seconds_per_create` a create (the
+    bursts measured alone, `_burst`), found by halving; never above `engine_rate`, the
+    agent's driver's on the engine directly. What the pool pays that the driver does
+    not, the agents' and the control plane's own work for each create on the same
+    cores, is the simulated agents' to pay too: they take no processor time of their
+    own."""
+    if simulated_burst(profile, engine_rate, nodes) >= seconds_per_create:
         return engine_rate
-    low, high = 0.0, engine_rate  # too slow at low, fast enough at high
-    for _ in range(RATE_FIT_STEPS):
+    _, fast_enough = halved(
+        lambda rate: simulated_burst(profile, rate, nodes) > seconds_per_create,
+        0.0,
+        engine_rate,
+        RATE_FIT_STEPS,
+    )
+    return fast_enough
+
+
+def halved(
+    below: Callable[[float], bool], low: float, high: float, steps: int
+) -> tuple[float, float]:
+    """The interval from `low` to `high` halved `steps` times towards the edge where
+    `below` (true at `low`, false at `high`) turns false."""
+    for _ in range(steps):
         middle = (low + high) / 2
-        low, high = (middle, high) if simulated(middle) > seconds_per_create else (low, middle)
-    return high
+        low, high = (middle, high) if below(middle) else (low, middle)
+    return low, high
 
 
 def exec_weight(rates_per_s: dict[str, float]) -> float:
@@ -454,12 +470,10 @@ def equivalent_load(slowdown: Callable[[float], float], ratio: float) -> float:
     slope (a difference of two noisy medians) may be near 0."""
     if ratio <= 1.0:
         return 0.0
-    low, high = 0.0, float(max(LOAD_LEVELS))
-    if slowdown(high) <= ratio:
-        return high
-    for _ in range(50):
-        middle = (low + high) / 2
-        low, high = (middle, high) if slowdown(middle) < ratio else (low, middle)
+    highest = float(max(LOAD_LEVELS))
+    if slowdown(highest) <= ratio:
+        return highest
+    low, high = halved(lambda load: slowdown(load) < ratio, 0.0, highest, 50)
     return (low + high) / 2
 
 

@@ -93,9 +93,15 @@ class Leases:
         # proves the lease to its agent, which takes it up from the client's first call
         # if the grant is not there yet (dsec/tokens.py). A frozen one waits for its
         # agent to thaw it, and one its agent may have lost for the grant's answer.
-        # A personalised claim is answered once its node has applied it.
+        # A personalised claim is answered once its node has applied it. So is one with
+        # a key of the client's own, which it may send again once answered (after its
+        # own restart): a control plane killed between an earlier answer and the grant
+        # would leave the key a lease no node reports, which no restart can give back
+        # (a key the client made for this acquire, `new_key`, only its unanswered
+        # retries send again).
         at_once = (
             req.personal is None
+            and (req.scoped_key is None or req.new_key)
             and entry.state == SandboxState.WARM
             and self.view.vouched_warm(entry, now)
         )
@@ -120,15 +126,11 @@ class Leases:
         if action.path == "thaw":
             self.metrics.scale_events.labels(entry.pool, "thaw").inc()
         # the key on disk before its node is asked: a restart mid-call still knows the
-        # key's sandbox. Served here, in the tick, where it can be: its client is answered
-        # before the grant and the tick's creates are sent (a send that wakes an agent
-        # costs the control plane's loop up to a millisecond on a busy node). Not with a
-        # key of the client's own, which it may send again once answered (after its own
-        # restart): that is answered once its node holds the lease, since a control plane
-        # killed between an earlier answer and the grant would leave the key a lease no
-        # node reports, which no restart can give back
+        # key's sandbox. Then served here, in the tick, where it can be: its client is
+        # answered before the grant and the tick's creates are sent (a send that wakes an
+        # agent costs the control plane's loop up to a millisecond on a busy node)
         key_kept = req.scoped_key is None or self.held_keys.add_now(req.scoped_key, entry.id)
-        served = at_once and key_kept and (req.scoped_key is None or req.new_key)
+        served = at_once and key_kept
         if served:  # (timed to now, not the tick's start: its decision is part of it)
             self._serve(entry, req, action.path, self.clock.now())
 
@@ -142,7 +144,7 @@ class Leases:
                 if not key_kept:
                     assert req.scoped_key is not None
                     await self.held_keys.add(req.scoped_key, entry.id)
-                    served = at_once and req.new_key and not req.done.done()
+                    served = at_once and not req.done.done()
                     if served:
                         self._serve(entry, req, action.path, self.clock.now())
                 asked = self.clock.now()

@@ -4,15 +4,11 @@ load), a small trace replayed live and simulated with it; and the commands' refu
 from __future__ import annotations
 
 import argparse
-import dataclasses
 
 import pytest
 from conftest import STARTED_POOLS, make_spec, pool_containers
 
 from bench.calibrate import (
-    BURST,
-    BURST_POOL,
-    BURST_TRACE,
     COMMAND_SANDBOXES,
     CONCURRENCY,
     LEASE_SAMPLES_FACTOR,
@@ -21,6 +17,7 @@ from bench.calibrate import (
     command_weight,
     exec_weight,
     pool_create_rate,
+    simulated_burst,
 )
 from bench.command_cpu import command_weight as command_cpu_weight
 from bench.command_cpu import cores_busy
@@ -32,7 +29,6 @@ from bench.fidelity import (
     run_fidelity,
 )
 from bench.host_cpu import busy_jiffies
-from bench.sim.engine import simulate
 from bench.sim.profile import OPS, Profile
 from dsec.models import PoolParams
 from dsec.trace import Episode, Step, dump_trace
@@ -57,14 +53,6 @@ def test_relative_error_is_the_distance_from_live_over_live():
     assert relative_error(1.0, 0.0) is None  # no scale to be relative to
 
 
-def burst_seconds_per_create(profile: Profile, create_rate: float) -> float:
-    """The calibration's burst in the simulator: seconds per create, the last acquire's."""
-    profile = dataclasses.replace(profile, engine_rates_per_s={"create": create_rate})
-    result = simulate(BURST_TRACE, nodes=3, slots_per_node=BURST, profile=profile,
-                      shared_engine=True, params=BURST_POOL, horizon_s=60)  # fmt: skip
-    return max(r.acquired_at_s for r in result.records) / BURST
-
-
 def test_the_create_rate_is_the_one_at_which_the_simulated_burst_takes_the_pool_s_time():
     """The pool's creates, through its agents, come slower than the driver's on the
     engine alone (the agents' and the control plane's own work, on the same cores): the
@@ -73,11 +61,11 @@ def test_the_create_rate_is_the_one_at_which_the_simulated_burst_takes_the_pool_
     default = Profile.default(n=200)
     # under load as alone (the engine's rates bound only a profile measured under load)
     profile = Profile(default.samples, under_load={"create": {1: default.samples["create"]}})
-    at_engine_rate = burst_seconds_per_create(profile, 20.0)
+    at_engine_rate = simulated_burst(profile, 20.0, 3)
     slower = 1.25 * at_engine_rate
     fitted = pool_create_rate(profile, slower, 3, 20.0)
     assert 5.0 < fitted < 19.0
-    assert burst_seconds_per_create(profile, fitted) == pytest.approx(slower, rel=0.03)
+    assert simulated_burst(profile, fitted, 3) == pytest.approx(slower, rel=0.03)
     assert pool_create_rate(profile, 0.5 * at_engine_rate, 3, 20.0) == 20.0
 
 
